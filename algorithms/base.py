@@ -1,0 +1,119 @@
+"""The algorithm interface: how a training batch is made and what its loss is.
+
+An algorithm never touches process groups, optimizers or files: the trainer (trainer/loop.py)
+calls, per step,
+
+    batch = algo.make_batch(examples, ctx)       # no grad: rollouts, teacher passes, rewards
+    for micro in batch.micro_batches(n):          # grad accumulation
+        out = algo.loss(model, micro, normaliser) # -> StepOutput(loss, metrics, token_logprobs)
+
+`normaliser` is the global number of loss tokens divided by the data-parallel size (the backend
+averages gradients over ranks), so summed micro-batch losses equal the exact global token mean.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Batch:
+    """One step's training data on one rank, from rollout to loss. Rows are right-padded.
+
+    Token-aligned tensors are (B, T) and index the token itself: `loss_mask[b, t] = 1` when token t
+    is a trained target (predicted from positions < t), so position 0 is never a target.
+    """
+
+    input_ids: Tensor  # (B, T) prompt + completion
+    attention_mask: Tensor  # (B, T) 1 on real tokens
+    loss_mask: Tensor  # (B, T) 1 on completion tokens that are trained
+    rollout_logprobs: Optional[Tensor] = None  # (B, T) sampler log-prob of each completion token
+    advantages: Optional[Tensor] = None  # (B,)
+    token_weights: Optional[Tensor] = None  # (B, T)
+    uids: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        assert self.input_ids.dim() == 2, f"input_ids must be (B, T), got {tuple(self.input_ids.shape)}"
+        assert self.attention_mask.shape == self.input_ids.shape == self.loss_mask.shape
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def num_targets(self) -> Tensor:
+        return self.loss_mask.sum()
+
+    def _map(self, fn: Callable[[Tensor], Tensor], rows: slice) -> "Batch":
+        values = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            values[f.name] = fn(v) if isinstance(v, Tensor) else (v[rows] if isinstance(v, list) else v)
+        return Batch(**values)
+
+    def to(self, device: torch.device) -> "Batch":
+        return self._map(lambda t: t.to(device), slice(None))
+
+    def micro_batches(self, size: int) -> list["Batch"]:
+        """Consecutive row slices of at most `size` rows, trimmed of all-padding columns."""
+        out = []
+        for start in range(0, len(self), size):
+            rows = slice(start, start + size)
+            micro = self._map(lambda t: t[rows], rows)
+            width = int(micro.attention_mask.sum(1).max())
+            out.append(micro._map(lambda t: t[:, :width] if t.dim() == 2 else t, slice(None)))
+        return out
+
+
+@dataclass
+class StepOutput:
+    loss: Tensor  # scalar, already divided by the normaliser
+    metrics: dict[str, Tensor]  # scalars, averaged by the trainer over micro-batches and ranks
+    token_logprobs: Optional[Tensor] = None  # (B, T) trainer log-probs of the rollout tokens (for the gap metric)
+
+
+@dataclass
+class RolloutContext:
+    """What make_batch may use: the generation engine over current weights, the task, the tokenizer."""
+
+    engine: Any  # inference.Engine over the current weights
+    task: Any  # trainer.data Task
+    tokenizer: Any
+    generator: torch.Generator  # seeded; its state is checkpointed
+    device: torch.device
+    max_new_tokens: int
+    policy: Optional[torch.nn.Module] = None  # full-weight model for no-grad teacher passes
+
+
+class Algorithm(Protocol):
+    name: str
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Model surgery (LoRA, routers, fake-quant) and requires_grad; returns the model to train."""
+
+    def make_batch(self, examples: Sequence[Any], ctx: RolloutContext) -> Batch: ...
+
+    def loss(self, model: torch.nn.Module, micro: Batch, normaliser: Tensor) -> StepOutput: ...
+
+    def export(self, model: torch.nn.Module, tokenizer: Any, out_dir: str) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def pad_right(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Right-pad token rows -> (ids (B, T), mask (B, T))."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def trainable(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    return [p for p in params if p.requires_grad]

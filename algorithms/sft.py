@@ -1,0 +1,80 @@
+"""Supervised fine-tuning on worked solutions: loss on solution tokens only.
+
+The prompt is the task's student prompt; with `reference_fraction > 0` that share of rows instead
+uses the privileged teacher prompt carrying the reference solution (full, or with a random share of
+its steps masked), which teaches a model to read a reference -- the warm start of the embedded model
+does this so the self-teacher of the distillation algorithms has something to offer.
+
+    python train.py +algo=sft trainer.max_steps=200
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from algorithms import losses
+from algorithms.base import Batch, RolloutContext, StepOutput, pad_right
+from trainer.data import mask_spans
+
+
+@dataclass
+class SFTConfig:
+    name: str = "sft"
+    reference_fraction: float = 0.0  # share of rows whose prompt carries the reference solution
+    masked_fraction: float = 0.5  # of those, share whose reference has steps masked
+    mask_ratio: float = 0.3  # share of steps masked in a masked reference
+    seed: int = 0
+
+
+class SFT:
+    name = "sft"
+
+    def __init__(self, cfg: SFTConfig):
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        model.requires_grad_(True)
+        return model
+
+    def prompt_text(self, example: Any, task: Any) -> str:
+        if self.rng.random() >= self.cfg.reference_fraction:
+            return task.prompt(example)
+        reference = example.solution
+        if self.rng.random() < self.cfg.masked_fraction:
+            spans = task.solution_spans(reference)
+            flags = [self.rng.random() < self.cfg.mask_ratio for _ in spans]
+            reference = mask_spans(spans, flags, task.mask_token)
+        return task.teacher_prompt(example, reference)
+
+    def make_batch(self, examples: Sequence[Any], ctx: RolloutContext) -> Batch:
+        tok = ctx.tokenizer
+        rows, starts = [], []
+        for ex in examples:
+            prompt = tok(self.prompt_text(ex, ctx.task), add_special_tokens=False).input_ids
+            target = tok(ex.solution, add_special_tokens=False).input_ids + [tok.eos_token_id]
+            rows.append(prompt + target)
+            starts.append(len(prompt))
+        ids, attn = pad_right(rows, tok.pad_token_id, ctx.device)
+        positions = torch.arange(ids.shape[1], device=ctx.device)
+        loss_mask = (positions[None, :] >= torch.tensor(starts, device=ctx.device)[:, None]) & attn.bool()
+        return Batch(ids, attn, loss_mask.long(), uids=[ex.uid for ex in examples])
+
+    def loss(self, model: torch.nn.Module, micro: Batch, normaliser: torch.Tensor) -> StepOutput:
+        logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits  # (B, T, V)
+        logprobs = losses.token_logprobs(logits, micro.input_ids)  # (B, T)
+        loss, metrics = losses.nll_loss(logprobs, micro.loss_mask, normaliser)
+        return StepOutput(loss, {f"sft/{k}": v for k, v in metrics.items()})
+
+    def export(self, model: torch.nn.Module, tokenizer: Any, out_dir: str) -> None:
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.setstate(state["rng"])

@@ -1,0 +1,37 @@
+"""Held-out accuracy of a model: `python evaluate.py model.path=DIR data=NAME [trainer.eval_examples=N]`.
+
+Prints one JSON line with `accuracy`, `step_accuracy` and `n`.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main(argv: list[str]) -> int:
+    from trainer.config import ConfigError, load_config
+
+    from algorithms import config_schemas
+
+    # Evaluation needs no algorithm; reuse the schema with the sft defaults so keys validate the same way.
+    overrides = [a for a in argv if not a.lstrip("+").startswith("algo=")] + ["+algo=sft"]
+    try:
+        cfg = load_config(overrides, config_schemas())
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    from trainer.distributed import World
+    from trainer.evaluation import evaluate
+    from trainer.setup import build_task_from, load_model
+
+    world = World()
+    model, tokenizer = load_model(cfg.model, world, cfg.seed)
+    task = build_task_from(cfg.data)
+    examples = list(task.test_examples())[: cfg.trainer.eval_examples]
+    result = evaluate(model.eval(), tokenizer, task, examples, world, cfg.trainer.eval_max_new_tokens)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

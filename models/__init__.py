@@ -1,0 +1,1 @@
+"""Model loading (HF path or the embedded tiny default) and model surgery."""

@@ -1,0 +1,72 @@
+"""Load a causal LM + tokenizer: any HF model from a local dir (or hub id when online), or the
+embedded tiny Qwen3 built from a config with the local character tokenizer (no downloads).
+
+    model, tok = load_pretrained("path/to/dir")
+    model, tok = build_tiny(TinySpec(hidden_size=64, num_layers=2), seed=0)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
+
+from models.tokenizer import build_char_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TINY_HEAD_DIM = 32
+TINY_MAX_POSITIONS = 1024
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Architecture of the embedded tiny model (Qwen3: RMSNorm, RoPE, q/k-norm, SwiGLU, tied embeddings)."""
+
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    intermediate_size: int = 512
+
+
+def tiny_config(spec: TinySpec, tokenizer: PreTrainedTokenizerBase) -> Qwen3Config:
+    head_dim = min(TINY_HEAD_DIM, spec.hidden_size // spec.num_heads)
+    return Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        head_dim=head_dim,
+        max_position_embeddings=TINY_MAX_POSITIONS,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+
+
+def build_tiny(spec: TinySpec, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A randomly initialised tiny model, deterministic by `seed`, and its character tokenizer."""
+    tokenizer = build_char_tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(tiny_config(spec, tokenizer))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model, tokenizer
+
+
+def load_pretrained(
+    path: str, dtype: str = "float32", trust_remote_code: bool = False
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load model + tokenizer from a directory (or hub id). Adds a pad token if the tokenizer lacks one."""
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    return model, tokenizer
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

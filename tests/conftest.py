@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny configs that train in seconds on CPU."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# Each test process uses one thread: two cores shared with torchrun workers and pytest itself
+# oversubscribe badly otherwise (measured: 2 threads under contention ran a step 8x slower).
+torch.set_num_threads(1)
+
+TINY = [
+    "model=tiny_init", "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4",
+    "model.intermediate_size=128", "data.digits=2", "data.steps=1", "data.n_train=512", "data.n_test=32",
+    "trainer.batch_size=8", "trainer.micro_batch_size=4", "trainer.eval_every=1000", "trainer.eval_examples=8",
+    "trainer.eval_max_new_tokens=40", "trainer.save_every=1000", "trainer.warmup_steps=1", "trainer.lr=3e-3",
+    "logging.wandb=false", "logging.progress=false",
+]
+
+
+def tiny_overrides(out_dir, *extra: str, algo: str = "sft") -> list[str]:
+    return [f"+algo={algo}", *TINY, f"output_dir={out_dir}", *extra]
+
+
+def tiny_config(out_dir, *extra: str, algo: str = "sft"):
+    from algorithms import config_schemas
+    from trainer.config import load_config
+
+    return load_config(tiny_overrides(out_dir, *extra, algo=algo), config_schemas())
+
+
+@pytest.fixture
+def subprocess_env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    env["WANDB_MODE"] = "disabled"
+    return env

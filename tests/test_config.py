@@ -1,0 +1,70 @@
+"""The CLI/config surface: bad input fails fast with one clear line, before output_dir is touched;
+every YAML composes; the algorithm registry matches configs/algo/."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT, tiny_config
+
+BAD_INPUTS = [
+    (["+algo=sft", "trainer.max_stepz=3"], "max_stepz"),
+    (["+algo=nope"], "unknown algorithm 'nope' (available: sft"),
+    (["trainer.max_steps=3"], "no algorithm selected"),
+    (["+algo=sft", "trainer.max_steps=abc"], "trainer.max_steps=abc"),
+    (["+algo=sft", "trainer.lr=-1"], "trainer.lr"),
+    (["+algo=sft", "model.path=/no/such/model"], "model.path=/no/such/model"),
+    (["+algo=sft", "model=hf"], "model=hf needs model.path"),
+    (["+algo=sft", "algo.bogus=1"], "bogus"),
+    (["+algo=sft", "backend=nope"], "backend/nope"),
+    (["+algo=sft", "data.on_bad_row=maybe"], "data.on_bad_row=maybe"),
+]
+
+
+@pytest.mark.parametrize("args,expected", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_fails_fast_with_one_line(tmp_path, subprocess_env, args, expected):
+    out = tmp_path / "run"
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, f"output_dir={out}"],
+                          capture_output=True, text=True, env=subprocess_env, cwd=tmp_path, timeout=60)
+    elapsed = time.perf_counter() - started
+    assert proc.returncode != 0
+    lines = [l for l in proc.stderr.strip().splitlines() if l.strip() and "WARNING" not in l]
+    assert len(lines) == 1, proc.stderr
+    assert expected in lines[0], lines[0]
+    assert not out.exists(), "nothing may be written to output_dir on a config error"
+    assert elapsed < 5.0, f"took {elapsed:.1f}s"
+
+
+def test_missing_model_dir_without_config_json(tmp_path):
+    from trainer.config import ConfigError
+
+    with pytest.raises(ConfigError, match="no config.json"):
+        tiny_config(tmp_path / "o", f"model.path={tmp_path}")
+
+
+def test_registry_matches_config_files():
+    from algorithms import REGISTRY
+
+    files = sorted(p.stem for p in (ROOT / "configs" / "algo").glob("*.yaml"))
+    assert sorted(REGISTRY) == files
+
+
+@pytest.mark.parametrize("group", ["model", "data", "backend", "logging", "trainer"])
+def test_every_yaml_composes(tmp_path, group):
+    from trainer.config import compose
+
+    for option in sorted((ROOT / "configs" / group).glob("*.yaml")):
+        extra = {"hf": ["model.path=x/y"], "text": ["data.path=some.jsonl"]}.get(option.stem, [])
+        cfg = compose(["+algo=sft", f"{group}={option.stem}", *extra])
+        assert cfg[group] is not None
+
+
+def test_typed_values_reach_dataclasses(tmp_path):
+    cfg = tiny_config(tmp_path, "trainer.max_steps=7", "algo.reference_fraction=0.25")
+    assert cfg.trainer.max_steps == 7 and isinstance(cfg.trainer.lr, float)
+    assert cfg.algo.reference_fraction == 0.25 and cfg.algo.name == "sft"
+    assert cfg.model.hidden_size == 64

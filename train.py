@@ -1,0 +1,59 @@
+"""Train: `python train.py +algo=NAME [key=value ...]` or `torchrun --nproc_per_node=N train.py +algo=NAME`.
+
+Configuration is validated before anything heavy happens: a bad key, value or algorithm name
+exits non-zero with one line naming it, before output_dir is touched.
+"""
+from __future__ import annotations
+
+import sys
+
+EXIT_CONFIG, EXIT_DATA, EXIT_NONFINITE = 2, 3, 4
+
+
+def main(argv: list[str]) -> int:
+    from trainer.config import ConfigError, load_config
+
+    from algorithms import config_schemas  # noqa: E402  (imports torch)
+
+    try:
+        cfg = load_config(argv, config_schemas())
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    return run(cfg)
+
+
+def run(cfg) -> int:
+    from trainer.data import DataError
+    from trainer.distributed import init_world, launched_world_size, shutdown
+    from trainer.loop import NonFiniteLossError, fit
+    from trainer.setup import build_session, export_final
+
+    if cfg.backend.name == "auto":
+        cfg.backend.name = "ddp" if launched_world_size() > 1 else "single"
+    world = init_world(cfg.backend.dist_timeout_s)
+    code = 0
+    try:
+        session = build_session(cfg, world)
+        status = fit(session)
+        session.tracker.close()
+        if status == "done":
+            final = export_final(session)
+            if world.is_main:
+                print(f"done: {session.step} steps; artifact in {final}", flush=True)
+        elif world.is_main:
+            print(f"stopped by signal at step {session.step}; checkpoint saved in {cfg.output_dir}/checkpoints "
+                  "(rerun the same command to resume)", flush=True)
+    except DataError as err:
+        print(f"data error: {err}", file=sys.stderr)
+        code = EXIT_DATA
+    except NonFiniteLossError as err:
+        print(f"error: {err}", file=sys.stderr)
+        code = EXIT_NONFINITE
+    if world.distributed:
+        shutdown(world, code)  # does not return: see shutdown() for why
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,1 @@
+"""The shared training loop, distributed backends, checkpoints, tracking, and data (tasks + verifiers)."""

@@ -1,0 +1,261 @@
+"""Distributed backends behind one small interface: single, DDP, FSDP2, DeepSpeed ZeRO.
+
+The loop only ever calls:
+    backend.train_model            the module to run the loss forward through (wrapped)
+    backend.accumulate(last)       context: skip gradient sync on all but the last micro-batch
+    backend.backward(loss) / backend.step(max_norm) -> grad norm
+    backend.full_model()           a module holding full weights, for rollouts, eval and export
+    backend.save(dir) / backend.load(dir)   model + optimizer + scheduler state (all ranks call)
+
+Every backend averages gradients over data-parallel ranks, so the trainer divides losses by
+global tokens / world size to get exact global-token normalisation.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from trainer.distributed import World
+
+OPTIM_FILE, MODEL_FILE, SCHED_FILE = "optimizer.pt", "model.pt", "scheduler.pt"
+
+
+def lr_lambda(warmup_steps: int, max_steps: int, min_ratio: float):
+    """Linear warm-up to the peak, then cosine decay to min_ratio x peak at max_steps."""
+
+    def fn(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return fn
+
+
+def make_optimizer(params: list[nn.Parameter], tcfg: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, tcfg: Any):
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(tcfg.warmup_steps, tcfg.max_steps, tcfg.min_lr_ratio)
+    )
+
+
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+class SingleBackend:
+    """One process; also the base of DDP, which only adds the wrapper and the sync context."""
+
+    def __init__(self, model: nn.Module, tcfg: Any, world: World):
+        self.world = world
+        self.model = model
+        self.train_model: nn.Module = model
+        self.optimizer = make_optimizer(_trainable(model), tcfg)
+        self.scheduler = make_scheduler(self.optimizer, tcfg)
+
+    def accumulate(self, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, max_norm: float) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(_trainable(self.model), max_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def full_model(self) -> nn.Module:
+        return self.model
+
+    def save(self, path: str) -> None:
+        if self.world.is_main:
+            torch.save(self.model.state_dict(), os.path.join(path, MODEL_FILE))
+            torch.save(self.optimizer.state_dict(), os.path.join(path, OPTIM_FILE))
+            torch.save(self.scheduler.state_dict(), os.path.join(path, SCHED_FILE))
+
+    def load(self, path: str) -> None:
+        self.model.load_state_dict(torch.load(os.path.join(path, MODEL_FILE), map_location=self.world.device))
+        self.optimizer.load_state_dict(torch.load(os.path.join(path, OPTIM_FILE), map_location=self.world.device))
+        self.scheduler.load_state_dict(torch.load(os.path.join(path, SCHED_FILE)))
+
+
+class DDPBackend(SingleBackend):
+    """Full replicas; gradients averaged in backward (bucketed all-reduce)."""
+
+    def __init__(self, model: nn.Module, tcfg: Any, world: World):
+        super().__init__(model, tcfg, world)
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [world.device.index] if world.device.type == "cuda" else None
+        self.train_model = DistributedDataParallel(model, device_ids=ids, process_group=world.group)
+
+    def accumulate(self, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if last else self.train_model.no_sync()
+
+
+class FSDPBackend:
+    """FSDP2: `fully_shard` each decoder layer, then the root. Params, grads and optimizer state
+    are sharded; rollouts/eval/export read a full-weight replica refreshed from the shards."""
+
+    def __init__(self, model: nn.Module, tcfg: Any, world: World):
+        from torch.distributed.fsdp import fully_shard
+
+        self.world = world
+        self._replica = copy.deepcopy(model)  # full weights for the engine; refreshed on demand
+        self._replica.requires_grad_(False)
+        for layer in _decoder_layers(model):
+            fully_shard(layer)
+        fully_shard(model)
+        self.model = self.train_model = model
+        self.optimizer = make_optimizer(_trainable(model), tcfg)
+        self.scheduler = make_scheduler(self.optimizer, tcfg)
+
+    def accumulate(self, last: bool) -> contextlib.AbstractContextManager:
+        return _fsdp_sync(self.model, last)
+
+    backward = SingleBackend.backward
+    step = SingleBackend.step
+    lr = SingleBackend.lr
+
+    def _options(self, **kw):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True, **kw)
+
+    def full_model(self) -> nn.Module:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=self._options())  # all ranks get full tensors
+        self._replica.load_state_dict(state)
+        return self._replica
+
+    def save(self, path: str) -> None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        opts = self._options(cpu_offload=True)  # full tensors on rank 0 only
+        model_state = get_model_state_dict(self.model, options=opts)
+        optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+        if self.world.is_main:
+            torch.save(model_state, os.path.join(path, MODEL_FILE))
+            torch.save(optim_state, os.path.join(path, OPTIM_FILE))
+            torch.save(self.scheduler.state_dict(), os.path.join(path, SCHED_FILE))
+
+    def load(self, path: str) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        opts = self._options(broadcast_from_rank0=True)
+        main = self.world.is_main
+        model_state = torch.load(os.path.join(path, MODEL_FILE)) if main else {}
+        optim_state = torch.load(os.path.join(path, OPTIM_FILE)) if main else {}
+        set_model_state_dict(self.model, model_state, options=opts)
+        set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=opts)
+        self.scheduler.load_state_dict(torch.load(os.path.join(path, SCHED_FILE)))
+
+
+@contextlib.contextmanager
+def _fsdp_sync(model: nn.Module, last: bool) -> Iterator[None]:
+    model.set_requires_gradient_sync(last)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks of an HF causal LM (model.model.layers for Llama/Qwen)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"backend=fsdp: cannot find decoder layers (model.model.layers) in {type(model).__name__}")
+    return list(layers)
+
+
+class DeepSpeedBackend:
+    """DeepSpeed ZeRO-1/2/3 with torch AdamW inside DeepSpeed and our warm-up/cosine schedule."""
+
+    TAG = "deepspeed"
+
+    def __init__(self, model: nn.Module, tcfg: Any, world: World, zero_stage: int, micro_steps: int):
+        import deepspeed
+
+        self.world = world
+        self._replica = copy.deepcopy(model) if zero_stage == 3 else None
+        config = {
+            "train_micro_batch_size_per_gpu": tcfg.micro_batch_size,
+            "gradient_accumulation_steps": micro_steps,
+            "gradient_clipping": tcfg.max_grad_norm,
+            "zero_optimization": {"stage": zero_stage},
+            "bf16": {"enabled": world.device.type == "cuda" and torch.cuda.is_bf16_supported()},
+            "optimizer": {
+                "type": "AdamW",
+                "params": {"lr": tcfg.lr, "betas": list(tcfg.betas), "weight_decay": tcfg.weight_decay,
+                           "torch_adam": True},
+            },
+            "steps_per_print": 10**9,
+        }
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, model_parameters=_trainable(model), config=config,
+            lr_scheduler=lambda opt: make_scheduler(opt, tcfg),
+        )
+        self.model = self.engine.module
+        self.train_model = self.engine
+
+    def accumulate(self, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # DeepSpeed counts micro-steps to the accumulation boundary
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)  # our normaliser already covers accumulation
+        self.engine.step()  # a no-op until the accumulation boundary
+
+    def step(self, max_norm: float) -> float:
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def full_model(self) -> nn.Module:
+        if self._replica is None:
+            return self.model
+        import deepspeed
+
+        params = list(self.model.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            self._replica.load_state_dict({k: v.detach().clone() for k, v in self.model.state_dict().items()})
+        return self._replica
+
+    def save(self, path: str) -> None:
+        self.engine.save_checkpoint(path, tag=self.TAG)
+
+    def load(self, path: str) -> None:
+        self.engine.load_checkpoint(path, tag=self.TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+
+
+def build_backend(name: str, model: nn.Module, tcfg: Any, world: World, zero_stage: int = 0, micro_steps: int = 1):
+    if name != "single" and not world.distributed and name != "deepspeed":
+        name = "single"  # a world of one needs no wrapper; the result is identical
+    if name == "single":
+        return SingleBackend(model, tcfg, world)
+    if name == "ddp":
+        return DDPBackend(model, tcfg, world)
+    if name == "fsdp":
+        return FSDPBackend(model, tcfg, world)
+    if name == "deepspeed":
+        return DeepSpeedBackend(model, tcfg, world, zero_stage, micro_steps)
+    raise ValueError(f"unknown backend '{name}'")

@@ -1,0 +1,245 @@
+"""Typed configuration: the schema Hydra's composed YAML is validated against at start-up.
+
+Only this module and `train.py` / `evaluate.py` know about Hydra/OmegaConf. Everything below the
+edge (models/, algorithms/, inference/) receives plain dataclasses. Validation happens before torch
+is imported or anything is written, so a typo costs seconds, not a job slot.
+
+    cfg = load_config(["+algo=sft", "trainer.max_steps=10"])   # -> TrainConfig (validated)
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CACHE = "~/.cache/posttrain"
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message is one line naming the offending key or value."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    path: Optional[str] = None  # local HF dir or hub id; None => the embedded tiny model
+    dtype: str = "float32"  # weights dtype: float32 | bfloat16 | float16
+    trust_remote_code: bool = False
+    cache_dir: str = DEFAULT_CACHE  # where the warm-started tiny model is built and cached
+    # Embedded tiny model (Qwen3 architecture, character tokenizer).
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    intermediate_size: int = 512
+    # Warm start: our own SFT on `data=arith`, run once and cached; 0 steps => random init.
+    warm_start_steps: int = 0
+    warm_start_lr: float = 3e-3
+    warm_start_batch_size: int = 64
+    warm_start_reference_fraction: float = 0.5  # share of warm-up prompts carrying a (masked) reference
+
+
+@dataclass
+class DataConfig:
+    name: str = "arith"  # arith | text
+    seed: int = 0
+    # arith knobs
+    n_train: int = 20000
+    n_test: int = 200
+    digits: int = 3
+    steps: int = 2
+    ops: list[str] = field(default_factory=lambda: ["+", "-"])
+    # user data (name=text)
+    path: Optional[str] = None
+    test_path: Optional[str] = None
+    train_split: str = "train"
+    test_split: str = "test"
+    test_fraction: float = 0.0
+    question_field: str = "question"
+    solution_field: str = "solution"
+    answer_field: str = "answer"
+    on_bad_row: str = "error"  # error | skip
+    max_examples: Optional[int] = None
+    # prompts (None => the task's default)
+    prompt_template: Optional[str] = None
+    teacher_template: Optional[str] = None
+
+
+@dataclass
+class BackendConfig:
+    name: str = "auto"  # auto | single | ddp | fsdp | deepspeed
+    zero_stage: int = 0  # deepspeed only: 1 | 2 | 3
+    dist_timeout_s: int = 1800
+
+
+@dataclass
+class LoggingConfig:
+    wandb: bool = True  # online with a key, otherwise offline run files in output_dir
+    project: str = "posttrain"
+    run_name: Optional[str] = None
+    progress: bool = True
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 100
+    batch_size: int = 32  # global prompts per optimizer step (all ranks)
+    micro_batch_size: int = 16  # per rank per forward/backward
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    max_grad_norm: float = 1.0
+    eval_every: int = 50
+    eval_examples: int = 200
+    eval_max_new_tokens: int = 160
+    save_every: int = 50
+    keep_last: int = 2
+    resume: str = "auto"  # auto | never | PATH
+    compile: bool = False
+    max_new_tokens: int = 160  # rollout length for on-policy algorithms
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "outputs/run"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algo: Any = None  # the selected algorithm's own config dataclass
+
+
+def _one_line(err: BaseException) -> str:
+    """Hydra wraps the OmegaConf error that names the key and the problem; OmegaConf adds lines of
+    context. Return one line: the outer message (which override) + the inner one (what is wrong)."""
+    lines = []
+    while err is not None:
+        first = str(err).strip().splitlines()
+        if first and first[0].strip() and not first[0].startswith("To append"):
+            lines.append(first[0].strip())
+        err = err.__cause__
+    if not lines:
+        return "invalid configuration"
+    if lines[0].startswith("Could not override") and len(lines) > 1:
+        return f"unknown key: {lines[-1]}"  # "Key 'max_stepz' not in 'TrainerConfig'"
+    return ": ".join(dict.fromkeys(lines))
+
+
+def compose(overrides: list[str]) -> Any:
+    """Compose configs/train.yaml with command-line overrides (Hydra syntax), without Hydra's run dir."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from hydra.core.config_store import ConfigStore
+
+    # The typed schema is the first entry of train.yaml's defaults list: every key exists with its
+    # type, so a typo fails at composition and a wrong type fails at conversion.
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return hydra_compose(config_name="train", overrides=list(overrides))
+
+
+def _available_algos() -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / "algo").glob("*.yaml"))
+
+
+def load_config(overrides: list[str], algo_schemas: dict[str, type]) -> TrainConfig:
+    """Compose + validate. Raises ConfigError (one line) on any bad input."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    algo_args = [o for o in overrides if o.lstrip("+~").split("=")[0] == "algo"]
+    if not algo_args:
+        raise ConfigError(f"no algorithm selected: add +algo=NAME (available: {', '.join(_available_algos())})")
+    name = algo_args[-1].split("=", 1)[1]
+    if name not in algo_schemas or name not in _available_algos():
+        raise ConfigError(f"unknown algorithm '{name}' (available: {', '.join(sorted(algo_schemas))})")
+    try:
+        raw = compose(overrides)
+    except Exception as err:  # Hydra: unknown group option, bad override syntax, missing key
+        raise ConfigError(_one_line(err)) from None
+    try:
+        raw = OmegaConf.to_container(raw, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as err:
+        raise ConfigError(_describe(err, name)) from None
+    algo_raw = raw.pop("algo", {}) or {}
+    try:
+        base = OmegaConf.merge(OmegaConf.structured(TrainConfig(algo=None)), _without_algo(raw))
+        algo = OmegaConf.merge(OmegaConf.structured(algo_schemas[name]), algo_raw)
+        cfg: TrainConfig = OmegaConf.to_object(base)
+        cfg.algo = OmegaConf.to_object(algo)
+    except OmegaConfBaseException as err:
+        raise ConfigError(_describe(err, name)) from None
+    validate(cfg)
+    return cfg
+
+
+def _without_algo(raw: dict) -> dict:
+    return {k: v for k, v in raw.items() if k != "algo"}
+
+
+def _describe(err: Exception, algo: str) -> str:
+    key = getattr(err, "full_key", None)
+    msg = _one_line(err)
+    if key and key not in msg:
+        msg = f"{key}: {msg}"
+    return msg
+
+
+CHOICES = {
+    "backend.name": ("auto", "single", "ddp", "fsdp", "deepspeed"),
+    "data.name": ("arith", "text"),
+    "data.on_bad_row": ("error", "skip"),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+}
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Value checks the type system cannot express. Nothing here touches the disk except to read."""
+    for key, allowed in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value} is not one of {', '.join(allowed)}")
+    t = cfg.trainer
+    for key in ("max_steps", "batch_size", "micro_batch_size", "eval_every", "save_every", "keep_last"):
+        if getattr(t, key) <= 0:
+            raise ConfigError(f"trainer.{key}={getattr(t, key)} must be > 0")
+    if t.lr <= 0:
+        raise ConfigError(f"trainer.lr={t.lr} must be > 0")
+    if cfg.backend.name == "deepspeed" and cfg.backend.zero_stage not in (1, 2, 3):
+        raise ConfigError(f"backend.zero_stage={cfg.backend.zero_stage} must be 1, 2 or 3 for deepspeed")
+    if t.resume not in ("auto", "never") and not os.path.isdir(os.path.expanduser(t.resume)):
+        raise ConfigError(f"trainer.resume={t.resume}: no such checkpoint directory")
+    _validate_model_path(cfg.model)
+    if cfg.model.name == "hf" and cfg.model.path is None:
+        raise ConfigError("model=hf needs model.path=DIR (a local model directory, or a hub id when online)")
+    if cfg.data.name == "text" and not cfg.data.path:
+        raise ConfigError("data=text needs data.path=FILE|DIR|HUB_NAME")
+
+
+def _validate_model_path(model: ModelConfig) -> None:
+    if model.path is None:
+        return
+    path = os.path.expanduser(model.path)
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise ConfigError(f"model.path={model.path}: no config.json there (not a Hugging Face model directory)")
+        return
+    looks_like_hub_id = model.path.count("/") == 1 and not model.path.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise ConfigError(f"model.path={model.path}: no such directory")
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    out = dataclasses.asdict(cfg)
+    out["algo"] = dataclasses.asdict(cfg.algo) if dataclasses.is_dataclass(cfg.algo) else cfg.algo
+    return out

@@ -1,0 +1,54 @@
+"""Tasks (a dataset plus a verifier), answer extraction and the trainer's prompt stream.
+
+    from trainer.data import build_task, PromptStream
+    task = build_task("arith", seed=0, digits=3, steps=2)          # the embedded task
+    task = build_task("text", path="data/train.jsonl", test_fraction=0.1)
+    result = task.verify(example, completion)                    # VerifyResult; score(result, mode)
+
+Modules: `base` (Example, VerifyResult, score, extract_answer, answers_equal, mask_spans),
+`arith` (ArithTask and its worked-solution format), `text` (TextTask: JSONL / Parquet / CSV /
+saved datasets / hub), `stream` (PromptStream). No Hydra here: tasks take plain keyword arguments.
+Run the tests with `python -m pytest tests/trainer/test_data.py -q`.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from trainer.data.arith import ArithTask
+from trainer.data.base import (
+    DataError,
+    Example,
+    Task,
+    VerifyResult,
+    answers_equal,
+    extract_answer,
+    mask_spans,
+    score,
+)
+from trainer.data.stream import PromptStream
+from trainer.data.text import TextTask
+
+TASKS: dict[str, Callable[..., Task]] = {"arith": ArithTask, "text": TextTask}
+# Named user datasets: a preset is TextTask keyword arguments the caller may override.
+PRESETS: dict[str, dict[str, Any]] = {
+    "gsm8k": dict(path="openai/gsm8k", hub_config="main", solution_field="answer", answer_field=None,
+                  name="gsm8k"),
+}
+
+
+def build_task(name: str, **kwargs: Any) -> Task:
+    """A task by name: "arith", "text" (kwargs give `path`, ...), a preset, or an existing local path."""
+    if name in TASKS:
+        return TASKS[name](**kwargs)
+    if name in PRESETS:
+        return TextTask(**{**PRESETS[name], **kwargs})
+    if os.path.exists(os.path.expanduser(name)):
+        return TextTask(path=name, **kwargs)
+    raise DataError(f"unknown task {name!r}; expected one of {sorted(TASKS) + sorted(PRESETS)} or an existing path")
+
+
+__all__ = [
+    "ArithTask", "DataError", "Example", "PRESETS", "PromptStream", "TASKS", "Task", "TextTask",
+    "VerifyResult", "answers_equal", "build_task", "extract_answer", "mask_spans", "score",
+]

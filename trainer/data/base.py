@@ -1,0 +1,214 @@
+"""The shared vocabulary of every task: examples, verifier results, rewards, answer extraction, prompts.
+
+A task is a dataset plus a verifier. Everything here is plain Python (no torch, no Hydra) so that
+the trainer, the algorithms and `evaluate.py` can share one definition of "correct".
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+ANSWER_MARKER = "####"
+NUMERIC_TOLERANCE = 1e-6  # absolute: answers are mostly integers, a relative tolerance would equate 1e6 and 1e6+1
+SCORE_MODES = ("answer", "steps", "partial")
+
+
+class DataError(ValueError):
+    """Bad data or a bad data setting; the message names the file (and row) and what is wrong."""
+
+
+@dataclass(frozen=True)
+class Example:
+    question: str
+    solution: str  # worked solution, ends with the final-answer line "#### N"
+    answer: str  # the final answer as text, e.g. "611"
+    uid: str  # stable id, e.g. "arith-train-17" or "file.jsonl:42"
+
+
+@dataclass
+class VerifyResult:
+    correct: bool  # final answer equal to the reference answer
+    answer: str | None  # the answer extracted from the completion
+    steps_total: int = 0  # checkable steps found in the working (0 when the task has no step checker)
+    steps_correct: int = 0
+
+    @property
+    def step_accuracy(self) -> float:
+        return self.steps_correct / self.steps_total if self.steps_total else 1.0
+
+    @property
+    def reward(self) -> float:
+        """1.0 only for a right answer reached through fully right working (`score(r, "steps")`).
+
+        The strict choice is the default because a tiny model at temperature 1 often lands on the
+        right number through wrong working; rewarding that teaches the wrong skill. Tasks without a
+        step checker have `steps_total == 0`, so there this is plain answer correctness.
+        """
+        return score(self, "steps")
+
+
+def score(result: VerifyResult, mode: str = "steps") -> float:
+    """A scalar reward from a verifier result.
+
+    answer:  1 if the final answer is right.
+    steps:   1 if the final answer is right and every checked step is right.
+    partial: 0.5 * answer correctness + 0.5 * step accuracy.
+    """
+    if mode == "answer":
+        return float(result.correct)
+    if mode == "steps":
+        return float(result.correct and result.steps_correct == result.steps_total)
+    if mode == "partial":
+        return 0.5 * float(result.correct) + 0.5 * result.step_accuracy
+    raise ValueError(f"unknown score mode {mode!r}; expected one of {SCORE_MODES}")
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What the trainer needs from a task. Concrete tasks: `ArithTask`, `TextTask`."""
+
+    name: str
+    mask_token: str  # placeholder MASS writes in place of a masked span
+
+    def train_examples(self) -> Sequence[Example]: ...
+    def test_examples(self) -> Sequence[Example]: ...
+    def verify(self, example: Example, completion: str) -> VerifyResult: ...
+    def prompt(self, example: Example) -> str: ...
+    def teacher_prompt(self, example: Example, reference: str) -> str: ...
+    def solution_spans(self, solution: str) -> list[str]: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Answers
+
+# A number: optional sign (not when glued to a word or digit, so "3-2" is not "-2"), thousands
+# groups ("1,234") or plain digits, optional decimals.
+_NUMBER = re.compile(r"(?:(?<![\w)\]])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+_FRACTION = re.compile(r"^\\d?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}$")
+
+
+def _number_text(text: str) -> str | None:
+    """The first number in `text` with thousands commas removed, or None."""
+    m = _NUMBER.search(text)
+    return m.group(0).replace(",", "") if m else None
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (nested braces allowed), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j].strip()
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a solution or completion.
+
+    Priority: the first `#### X` line (the number in X, or X itself when it holds none), then the
+    last `\\boxed{X}` (same rule; `\\frac{a}{b}` kept whole), then the last number in the text.
+    Numbers come back without thousands commas: "1,234" -> "1234".
+    """
+    marker = text.find(ANSWER_MARKER)
+    if marker >= 0:
+        line = text[marker + len(ANSWER_MARKER):].split("\n", 1)[0].strip()
+        if line:
+            return _number_text(line) or line
+    boxed = _last_boxed(text)
+    if boxed:
+        if _FRACTION.match(boxed.replace(" ", "")):
+            return boxed
+        return _number_text(boxed) or boxed
+    numbers = _NUMBER.findall(text)
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+def to_number(text: str) -> float | None:
+    """Parse "1,234", "-3.5", "$12", "50%", "3/4" or "\\frac{3}{4}" as a float; None if not a number."""
+    s = text.strip().replace(",", "").replace(" ", "").lstrip("$").rstrip("%").rstrip(".")
+    frac = _FRACTION.match(s) or re.match(r"^(-?[\d.]+)/(-?[\d.]+)$", s)
+    try:
+        if frac:
+            den = float(frac.group(2))
+            return float(frac.group(1)) / den if den else None
+        value = float(s)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def answers_equal(a: str | None, b: str | None) -> bool:
+    """Numerically equal within 1e-6 when both parse as numbers; else equal as stripped strings."""
+    if a is None or b is None:
+        return False
+    x, y = to_number(a), to_number(b)
+    if x is not None and y is not None:
+        return abs(x - y) <= NUMERIC_TOLERANCE
+    return a.strip() == b.strip()
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts and spans
+
+
+def fill_template(template: str, **values: str) -> str:
+    """Replace `{name}` placeholders literally, so other braces (e.g. `\\boxed{}`) are left alone."""
+    for key, value in values.items():
+        template = template.replace("{" + key + "}", value)
+    return template
+
+
+def check_template(template: str, required: Sequence[str], what: str) -> str:
+    missing = [k for k in required if "{" + k + "}" not in template]
+    if missing:
+        raise DataError(f"{what} {template!r} lacks the placeholder(s) {', '.join('{' + k + '}' for k in missing)}")
+    return template
+
+
+def mask_spans(spans: Sequence[str], masked: Sequence[bool], mask_token: str) -> str:
+    """The reference with every masked span replaced by `mask_token`.
+
+    A span's trailing whitespace (its newline) is kept, so the teacher still sees where each step
+    was and how many steps there were.
+    """
+    if len(spans) != len(masked):
+        raise ValueError(f"{len(spans)} spans but {len(masked)} mask flags")
+    out = []
+    for span, hide in zip(spans, masked):
+        if hide:
+            body = span.rstrip()
+            out.append(mask_token + span[len(body):] if body else span)
+        else:
+            out.append(span)
+    return "".join(out)
+
+
+def split_lines(text: str) -> list[str]:
+    """Lines of `text`, each keeping its newline; blank lines join the line before. Joins back to `text`."""
+    spans: list[str] = []
+    for line in text.splitlines(keepends=True):
+        if spans and not line.strip():
+            spans[-1] += line
+        else:
+            spans.append(line)
+    return spans
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences of `text`, each keeping the whitespace after it. Joins back to `text`."""
+    spans, start = [], 0
+    for m in _SENTENCE_END.finditer(text):
+        spans.append(text[start:m.end()])
+        start = m.end()
+    if start < len(text):
+        spans.append(text[start:])
+    return spans

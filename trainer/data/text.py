@@ -1,0 +1,306 @@
+"""`text`: user data — question / solution / answer rows from local files, a saved dataset or the hub.
+
+    task = TextTask(path="data/train.jsonl", test_path="data/test.jsonl")
+    task = TextTask(path="data/all.parquet", test_fraction=0.1, question_field="problem")
+    task = TextTask(path="openai/gsm8k", hub_config="main", solution_field="answer", answer_field=None)
+
+Sources (by what `path` is):
+- a file: `.jsonl` / `.ndjson` / `.json` (JSON lines or one JSON array), `.parquet`, `.csv` / `.tsv`.
+  A file is one split.
+- a directory written by `datasets.save_to_disk` (a `DatasetDict` gives named splits, a `Dataset`
+  one split), or a directory holding `<split>.jsonl|json|parquet|csv` files.
+- anything else that does not exist locally and does not look like a file path is treated as a
+  `datasets` hub name (`datasets.load_dataset(path, hub_config)`); that needs a network.
+The test split comes from, in order: `test_path`, `test_fraction` (held out from train, chosen by
+`seed`), the source's `test_split`. Without any, `test_examples()` raises `DataError`.
+
+Rows: `question_field` and `solution_field` must be non-empty strings. `answer_field` may be absent
+(or `None`): then the answer is extracted from the solution (`extract_answer`). An answer holding a
+`####` or `\\boxed{}` is reduced to what they mark. A solution without a `####` line gets
+`#### <answer>` appended (`append_answer_line`), so every solution ends the way the prompt asks.
+`solution_field=None` makes the solution just that answer line (for RL-only data).
+A bad row raises `DataError` naming the file and 1-based row (JSON lines: the line number; CSV: the
+data row, header not counted), or with `on_bad_row="skip"` is counted in `task.skipped` and warned.
+The verifier checks the final answer only (`steps_total == 0`).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import random
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+from trainer.data.base import (
+    ANSWER_MARKER,
+    DataError,
+    Example,
+    VerifyResult,
+    answers_equal,
+    check_template,
+    extract_answer,
+    fill_template,
+    split_lines,
+    split_sentences,
+)
+
+INSTRUCTION = "Please reason step by step, and put your final answer after ####."
+TEXT_PROMPT = "{question}\n" + INSTRUCTION + "\n"
+TEXT_TEACHER_PROMPT = (
+    "{question}\nHere is a reference solution:\n{reference}\n"
+    "After understanding the reference solution, solve the problem yourself. " + INSTRUCTION + "\n"
+)
+TEXT_MASK_TOKEN = "[...]"
+JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
+FILE_SUFFIXES = JSON_SUFFIXES + (".parquet", ".pq", ".csv", ".tsv")
+MIN_LINE_SPANS = 3  # span_by="auto": fewer lines than this (answer line included) -> split sentences
+SKIP_REASONS_SHOWN = 3
+ON_BAD_ROW = ("error", "skip")
+SPAN_BY = ("auto", "line", "sentence")
+
+
+class _BadRow(Exception):
+    """A row that cannot become an Example; the message says what is wrong."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading rows: each source yields (1-based row number, raw row); a raw row may be a _BadRow.
+
+Rows = list[tuple[int, Any]]
+
+
+def _read_json(path: Path) -> Rows:
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        try:
+            return list(enumerate(json.loads(text), start=1))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: invalid JSON array: {e}") from None
+    rows: Rows = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((n, json.loads(line)))
+        except json.JSONDecodeError as e:
+            rows.append((n, _BadRow(f"invalid JSON ({e.msg} at column {e.colno})")))
+    return rows
+
+
+def _read_csv(path: Path) -> Rows:
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f, delimiter="\t" if path.suffix == ".tsv" else ",")
+        return [(n, row) for n, row in enumerate(reader, start=1)]
+
+
+def _read_parquet(path: Path) -> Rows:
+    import pyarrow.parquet as pq
+
+    return list(enumerate(pq.read_table(path).to_pylist(), start=1))
+
+
+def _read_file(path: Path) -> Rows:
+    suffix = path.suffix.lower()
+    if suffix in JSON_SUFFIXES:
+        return _read_json(path)
+    if suffix in (".csv", ".tsv"):
+        return _read_csv(path)
+    if suffix in (".parquet", ".pq"):
+        return _read_parquet(path)
+    raise DataError(f"{path}: unsupported file type {suffix!r}; expected one of {FILE_SUFFIXES}")
+
+
+def _dataset_rows(ds: Any) -> Callable[[], Rows]:
+    return lambda: list(enumerate(ds.to_list(), start=1))
+
+
+def open_source(path: str, hub_config: str | None = None) -> dict[str | None, Callable[[], Rows]]:
+    """Split name -> row loader for `path`; a single-split source has the one key None."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        return {None: lambda: _read_file(p)}
+    if p.is_dir():
+        if (p / "dataset_dict.json").exists() or (p / "state.json").exists():
+            import datasets
+
+            ds = datasets.load_from_disk(str(p))
+            if isinstance(ds, datasets.DatasetDict):
+                return {name: _dataset_rows(split) for name, split in ds.items()}
+            return {None: _dataset_rows(ds)}
+        files = {f.stem: f for f in sorted(p.iterdir()) if f.suffix.lower() in FILE_SUFFIXES}
+        if not files:
+            raise DataError(f"{path}: directory holds neither a saved dataset nor {FILE_SUFFIXES} files")
+        return {stem: (lambda f=f: _read_file(f)) for stem, f in files.items()}
+    if p.suffix.lower() in FILE_SUFFIXES or path.startswith((".", "/", "~")) or path.count("/") > 1:
+        raise DataError(f"{path}: no such file or directory")
+    return _open_hub(path, hub_config)
+
+
+def _open_hub(name: str, hub_config: str | None) -> dict[str | None, Callable[[], Rows]]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(name, hub_config)
+    except Exception as e:  # offline, unknown name, bad config: all end here with the name attached
+        raise DataError(f"{name}: not a local file or directory, and loading it from the hub failed: "
+                        f"{type(e).__name__}: {e}") from e
+    return {split: _dataset_rows(d) for split, d in ds.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The task
+
+
+class TextTask:
+    """Question/solution/answer data from files or `datasets` (see the module docstring)."""
+
+    def __init__(self, path: str, test_path: str | None = None, train_split: str = "train",
+                 test_split: str = "test", test_fraction: float = 0.0, seed: int = 0,
+                 question_field: str = "question", solution_field: str | None = "solution",
+                 answer_field: str | None = "answer", on_bad_row: str = "error",
+                 max_examples: int | None = None, max_test_examples: int | None = None,
+                 hub_config: str | None = None, prompt_template: str | None = None,
+                 teacher_template: str | None = None, mask_token: str | None = None,
+                 append_answer_line: bool = True, span_by: str = "auto", name: str | None = None):
+        if on_bad_row not in ON_BAD_ROW:
+            raise DataError(f"on_bad_row must be one of {ON_BAD_ROW}, got {on_bad_row!r}")
+        if span_by not in SPAN_BY:
+            raise DataError(f"span_by must be one of {SPAN_BY}, got {span_by!r}")
+        if not 0.0 <= test_fraction < 1.0:
+            raise DataError(f"test_fraction must be in [0, 1), got {test_fraction}")
+        self.name = name or Path(path).stem or path
+        self.path, self.on_bad_row, self.span_by = path, on_bad_row, span_by
+        self.fields = (question_field, solution_field, answer_field)
+        self.append_answer_line = append_answer_line
+        self.prompt_template = check_template(prompt_template or TEXT_PROMPT, ["question"], "prompt_template")
+        self.teacher_template = check_template(
+            teacher_template or TEXT_TEACHER_PROMPT, ["question", "reference"], "teacher_template")
+        self.mask_token = mask_token or TEXT_MASK_TOKEN
+        self.skipped = 0
+
+        source = open_source(path, hub_config)
+        train_key = None if None in source else train_split
+        if train_key not in source:
+            raise DataError(f"{path}: no split {train_split!r}; it has {sorted(source)}")
+        train = self._examples(source[train_key](), path, train_key)
+        test: list[Example] | None = None
+        if test_path:
+            test_source = open_source(test_path, hub_config)
+            test_key = None if None in test_source else test_split
+            if test_key not in test_source:
+                raise DataError(f"{test_path}: no split {test_split!r}; it has {sorted(test_source)}")
+            test = self._examples(test_source[test_key](), test_path, test_key)
+        elif test_fraction > 0:
+            train, test = _hold_out(train, test_fraction, seed, path)
+        elif None not in source and test_split in source:
+            test = self._examples(source[test_split](), path, test_split)
+        self._train = train[:max_examples] if max_examples is not None else train
+        self._test = test[:max_test_examples] if test is not None and max_test_examples is not None else test
+
+    # -- loading ------------------------------------------------------------------------------
+
+    def _examples(self, rows: Rows, path: str, split: str | None) -> list[Example]:
+        where = f"{path}" if split is None else f"{path} [{split}]"
+        prefix = Path(path).name + ("" if split is None else f"/{split}")
+        examples, bad = [], []
+        for n, row in rows:
+            try:
+                examples.append(self._to_example(row, f"{prefix}:{n}"))
+            except _BadRow as e:
+                if self.on_bad_row == "error":
+                    raise DataError(f"{where}: row {n}: {e}") from None
+                bad.append(f"row {n}: {e}")
+        if bad:
+            self.skipped += len(bad)
+            shown = "; ".join(bad[:SKIP_REASONS_SHOWN]) + ("; ..." if len(bad) > SKIP_REASONS_SHOWN else "")
+            warnings.warn(f"{where}: skipped {len(bad)} bad row(s) of {len(rows)}: {shown}", stacklevel=3)
+        if not examples:
+            why = f" (all {len(bad)} rows were bad and skipped)" if bad else ""
+            raise DataError(f"{where}: no examples{why}")
+        return examples
+
+    def _to_example(self, row: Any, uid: str) -> Example:
+        if isinstance(row, _BadRow):
+            raise row
+        if not isinstance(row, dict):
+            raise _BadRow(f"expected an object with fields, got {type(row).__name__}")
+        q_field, s_field, a_field = self.fields
+        question = _text(row, q_field)
+        answer = _answer(row, a_field)
+        if s_field is None:
+            if answer is None:
+                raise _BadRow(f"no answer in field {a_field!r} and no solution field to extract it from")
+            solution = f"{ANSWER_MARKER} {answer}"
+        else:
+            solution = _text(row, s_field)
+        if answer is None:
+            answer = extract_answer(solution)
+            if answer is None:
+                raise _BadRow(f"no answer field {a_field!r} and no answer found in the solution")
+        if self.append_answer_line and ANSWER_MARKER not in solution:
+            solution = f"{solution.rstrip()}\n{ANSWER_MARKER} {answer}"
+        return Example(question, solution, answer, uid)
+
+    # -- the Task protocol --------------------------------------------------------------------
+
+    def train_examples(self) -> list[Example]:
+        return self._train
+
+    def test_examples(self) -> list[Example]:
+        if self._test is None:
+            raise DataError(f"{self.path}: no test split; give test_path, test_fraction or a source "
+                            f"with a test split")
+        return self._test
+
+    def prompt(self, example: Example) -> str:
+        return fill_template(self.prompt_template, question=example.question)
+
+    def teacher_prompt(self, example: Example, reference: str) -> str:
+        return fill_template(self.teacher_template, question=example.question, reference=reference)
+
+    def solution_spans(self, solution: str) -> list[str]:
+        """Lines ("line"), sentences within lines ("sentence"), or lines unless there are too few ("auto")."""
+        lines = split_lines(solution)
+        if self.span_by == "line" or (self.span_by == "auto" and len(lines) >= MIN_LINE_SPANS):
+            return lines
+        return [s for line in lines for s in split_sentences(line)]
+
+    def verify(self, example: Example, completion: str) -> VerifyResult:
+        answer = extract_answer(completion)
+        return VerifyResult(answers_equal(answer, example.answer), answer, 0, 0)
+
+
+def _text(row: dict, field: str) -> str:
+    if field not in row or row[field] is None:
+        raise _BadRow(f"missing field {field!r} (row has {sorted(k for k in row if k is not None)})")
+    value = row[field]
+    if not isinstance(value, str):
+        raise _BadRow(f"field {field!r} must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise _BadRow(f"field {field!r} is empty")
+    return value
+
+
+def _answer(row: dict, field: str | None) -> str | None:
+    """The row's answer as text, or None when the row has none (then the solution supplies it)."""
+    value = row.get(field) if field is not None else None
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise _BadRow(f"field {field!r} must be a string or number, got {type(value).__name__}")
+    text = str(value).strip()
+    if ANSWER_MARKER in text or "\\boxed" in text:
+        text = extract_answer(text) or text
+    return text
+
+
+def _hold_out(examples: list[Example], fraction: float, seed: int, path: str) -> tuple[list, list]:
+    """Split off a seeded random `fraction` as the test set; both keep the file order."""
+    n_test = max(1, round(fraction * len(examples)))
+    if n_test >= len(examples):
+        raise DataError(f"{path}: test_fraction={fraction} of {len(examples)} examples leaves no training data")
+    held = set(random.Random(f"holdout-{seed}").sample(range(len(examples)), n_test))
+    train = [ex for i, ex in enumerate(examples) if i not in held]
+    test = [ex for i, ex in enumerate(examples) if i in held]
+    return train, test

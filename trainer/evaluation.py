@@ -1,0 +1,35 @@
+"""Held-out accuracy via the inference engine (greedy), sharded over data-parallel ranks."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from inference import Engine, SamplingParams
+from trainer.distributed import World
+
+EVAL_BATCH = 64
+
+
+def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any], world: World,
+             max_new_tokens: int) -> dict[str, float]:
+    """Greedy-decode this rank's share of `examples`, verify, and reduce counts over ranks.
+
+    Returns accuracy (final answer right), step_accuracy (share of checkable steps right) and n.
+    """
+    mine = list(examples)[world.rank :: world.size]
+    engine = Engine(model)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
+                            stop_token_ids=(tokenizer.eos_token_id,))
+    correct = steps_ok = steps_total = 0
+    for start in range(0, len(mine), EVAL_BATCH):
+        chunk = mine[start : start + EVAL_BATCH]
+        prompts = [tokenizer(task.prompt(ex), add_special_tokens=False).input_ids for ex in chunk]
+        for ex, out in zip(chunk, engine.generate(prompts, params)):
+            result = task.verify(ex, tokenizer.decode(out.tokens, skip_special_tokens=True))
+            correct += int(result.correct)
+            steps_ok += result.steps_correct
+            steps_total += result.steps_total
+    counts = world.all_reduce_sum(torch.tensor([correct, steps_ok, steps_total, len(mine)], dtype=torch.float64))
+    correct, steps_ok, steps_total, n = counts.tolist()
+    return {"accuracy": correct / max(n, 1), "step_accuracy": steps_ok / max(steps_total, 1), "n": int(n)}

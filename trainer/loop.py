@@ -1,0 +1,177 @@
+"""The training loop shared by every algorithm.
+
+    prompts -> algo.make_batch(prompts, ctx)   [no grad: rollouts, teacher passes, rewards]
+            -> per micro-batch: algo.loss(model, micro, normaliser) -> backward
+            -> optimizer step -> metrics -> (eval, checkpoint)
+
+`fit` reads top to bottom; the pieces it uses are built by trainer/setup.py.
+"""
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from algorithms.base import Batch, RolloutContext
+from algorithms.losses import logprob_gap
+from inference import Engine
+from trainer import checkpoint
+from trainer.distributed import World
+from trainer.evaluation import evaluate
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN/inf; the run stops without saving, so the last good checkpoint stays."""
+
+
+@dataclass
+class Session:
+    """Everything one run needs, built once by setup.build_session."""
+
+    cfg: Any  # TrainConfig
+    world: World
+    tokenizer: Any
+    task: Any
+    algo: Any
+    backend: Any
+    stream: Any  # PromptStream
+    tracker: Any
+    generator: torch.Generator  # rollout sampling; checkpointed
+    step: int = 0
+
+
+class GracefulStop:
+    """SIGTERM / first Ctrl-C ask the loop to checkpoint and exit at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        self.requested = True
+
+    def agreed(self, world: World) -> bool:
+        """All ranks stop at the same step if any of them was signalled."""
+        return bool(world.all_reduce_max(torch.tensor(int(self.requested))).item())
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def fit(s: Session) -> str:
+    """Train to trainer.max_steps (or a stop signal). Returns "done" or "stopped"."""
+    t = s.cfg.trainer
+    stop = GracefulStop()
+    try:
+        while s.step < t.max_steps:
+            s.step += 1
+            batch = s.algo.make_batch(s.stream.next_batch(), rollout_context(s))
+            record = train_step(s, batch)
+            if s.step % t.eval_every == 0 or s.step == t.max_steps:
+                record["accuracy"] = run_eval(s)["accuracy"]
+            s.tracker.progress(s.step, _shown(record))
+            signalled = stop.agreed(s.world)
+            if s.step % t.save_every == 0 or s.step == t.max_steps or signalled:
+                save(s)
+            if signalled:
+                return "stopped"
+    finally:
+        stop.restore()
+    return "done"
+
+
+def rollout_context(s: Session) -> RolloutContext:
+    policy = s.backend.full_model()
+    return RolloutContext(engine=Engine(policy), task=s.task, tokenizer=s.tokenizer, generator=s.generator,
+                          device=s.world.device, max_new_tokens=s.cfg.trainer.max_new_tokens, policy=policy)
+
+
+def train_step(s: Session, batch: Batch) -> dict:
+    """Forward/backward over micro-batches with exact global-token normalisation, then one optimizer step."""
+    started = time.perf_counter()
+    world, backend = s.world, s.backend
+    micros = batch.micro_batches(s.cfg.trainer.micro_batch_size)
+    global_targets = world.all_reduce_sum(batch.num_targets().double())
+    normaliser = (global_targets / world.size).clamp(min=1).float()  # backends average grads over ranks
+    loss_sum, metric_sums, gap = torch.zeros(()), {}, None
+    for i, micro in enumerate(micros):
+        with backend.accumulate(last=i == len(micros) - 1), _autocast(world.device):
+            out = s.algo.loss(backend.train_model, micro, normaliser)
+        _check_finite(s, out.loss, i, micro)
+        backend.backward(out.loss)
+        loss_sum += out.loss.detach().float().cpu()
+        for k, v in out.metrics.items():
+            metric_sums[k] = metric_sums.get(k, 0.0) + v.detach().float().cpu() / len(micros)
+        if i == 0 and micro.rollout_logprobs is not None and out.token_logprobs is not None:
+            gap = logprob_gap(out.token_logprobs, micro.rollout_logprobs, micro.loss_mask).cpu()
+    grad_norm = backend.step(s.cfg.trainer.max_grad_norm)
+    tokens = world.all_reduce_sum(batch.attention_mask.sum().double().cpu()).item()
+    reduced = _mean_over_ranks(world, {"loss": loss_sum, **metric_sums})
+    elapsed = time.perf_counter() - started
+    record = {"step": s.step, "split": "train", **reduced, "grad_norm": grad_norm, "lr": backend.lr,
+              "tokens": int(tokens), "tokens_per_s": tokens / elapsed, "step_time_s": elapsed}
+    if gap is not None:
+        record["rollout/logprob_gap"] = _mean_over_ranks(world, {"g": gap})["g"]
+    s.tracker.log(record)
+    return record
+
+
+def _mean_over_ranks(world: World, values: dict[str, torch.Tensor]) -> dict[str, float]:
+    if not values:
+        return {}
+    keys = sorted(values)
+    stacked = torch.stack([torch.as_tensor(values[k], dtype=torch.float64) for k in keys])
+    means = (world.all_reduce_sum(stacked) / world.size).tolist()
+    return dict(zip(keys, means))
+
+
+def _check_finite(s: Session, loss: torch.Tensor, micro_index: int, micro: Batch) -> None:
+    bad = s.world.all_reduce_max(torch.tensor(int(not torch.isfinite(loss.detach()).all())))
+    if bad.item():
+        raise NonFiniteLossError(
+            f"non-finite loss at step {s.step}, micro-batch {micro_index} (examples {', '.join(micro.uids[:4])}"
+            f"{', ...' if len(micro.uids) > 4 else ''}); last good checkpoint kept in {s.cfg.output_dir}/checkpoints"
+        )
+
+
+def _autocast(device: torch.device):
+    """bf16 autocast on GPU; fp32 on CPU (exact, and what the resume/parity tests compare)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def run_eval(s: Session) -> dict:
+    t = s.cfg.trainer
+    examples = list(s.task.test_examples())[: t.eval_examples]
+    result = evaluate(s.backend.full_model(), s.tokenizer, s.task, examples, s.world, t.eval_max_new_tokens)
+    s.tracker.log({"step": s.step, "split": "eval", **result})
+    return result
+
+
+def save(s: Session) -> str:
+    state = {"step": s.step, "stream": s.stream.state_dict(), "algo": s.algo.state_dict(),
+             "generator": s.generator.get_state()}
+    return checkpoint.save_checkpoint(s.cfg.output_dir, s.step, s.backend, s.world, state, s.cfg.trainer.keep_last)
+
+
+def resume(s: Session, path: Optional[str]) -> None:
+    state = checkpoint.load_checkpoint(path, s.backend, s.world)
+    s.step = state["step"]
+    s.stream.load_state_dict(state["stream"])
+    s.algo.load_state_dict(state["algo"])
+    s.generator.set_state(state["generator"])
+    s.tracker.truncate_after(s.step)
+
+
+def _shown(record: dict) -> dict:
+    keys = ("loss", "accuracy", "tokens_per_s")
+    return {k: record[k] for k in keys if k in record}
