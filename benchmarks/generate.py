@@ -16,7 +16,7 @@ Model: by default a tiny random Qwen3 built in-process (hidden 128, 4 layers, 4 
 heads, head_dim 32, MLP 512, vocab 62, tied embeddings; ~1M parameters; initializer_range 0.2 so
 greedy output is not one repeated token). `--model DIR` loads any local HF causal LM instead.
 
-    python benchmarks/generate.py [--model DIR] [--new-tokens 128] [--repeats 3] [--compile]
+    python benchmarks/generate.py [--model DIR] [--new-tokens 128] [--repeats 5] [--compile] [--threads N]
 
 Prints tokens/s per engine and case, the ratios, and last one JSON line with all figures.
 """
@@ -87,20 +87,27 @@ def ours_generate(engine: Engine, prompts, new_tokens: int, eos: int | None) -> 
     return [c.tokens for c in engine.generate(prompts, params)]
 
 
-def timed(fn, repeats: int) -> tuple[float, list[list[int]]]:
-    """Median seconds over `repeats` runs after one warm-up, and the last outputs."""
-    outputs = fn()
-    seconds = []
+def timed_pair(fn_a, fn_b, repeats: int) -> tuple[float, list, float, list]:
+    """Median seconds of two functions over `repeats` interleaved runs, after one warm-up each.
+
+    Interleaving (a, b, a, b, ...) makes slow drifts of a shared machine hit both alike.
+    """
+    out_a, out_b = fn_a(), fn_b()
+    secs_a, secs_b = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
-        outputs = fn()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds), outputs
+        for fn, secs in ((fn_a, secs_a), (fn_b, secs_b)):
+            start = time.perf_counter()
+            out = fn()
+            secs.append(time.perf_counter() - start)
+            out_a, out_b = (out, out_b) if fn is fn_a else (out_a, out)
+    return statistics.median(secs_a), out_a, statistics.median(secs_b), out_b
 
 
 def compare(name: str, model, engine, prompts, new_tokens: int, eos, repeats: int) -> dict:
-    hf_s, hf_out = timed(lambda: hf_generate(model, prompts, new_tokens, eos), repeats)
-    our_s, our_out = timed(lambda: ours_generate(engine, prompts, new_tokens, eos), repeats)
+    hf_s, hf_out, our_s, our_out = timed_pair(
+        lambda: hf_generate(model, prompts, new_tokens, eos),
+        lambda: ours_generate(engine, prompts, new_tokens, eos), repeats,
+    )
     hf_tokens, our_tokens = sum(map(len, hf_out)), sum(map(len, our_out))
     lengths = [len(o) for o in our_out]
     result = {
@@ -123,9 +130,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="local HF model dir (default: tiny random Qwen3)")
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--compile", action="store_true", help="torch.compile our decode step")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     model = AutoModelForCausalLM.from_pretrained(args.model).eval() if args.model else tiny_qwen3()
     engine = Engine(model, compile=args.compile)
@@ -141,7 +151,7 @@ def main() -> None:
     b32 = compare(f"batch {ROLLOUT_BATCH}", model, engine, batch, args.new_tokens, eos, args.repeats)
     print(json.dumps({
         "model": args.model or "tiny-qwen3", "new_tokens": args.new_tokens, "compile": args.compile,
-        "lean": engine.lean_active(), "batch1": b1, f"batch{ROLLOUT_BATCH}": b32,
+        "lean": engine.lean_active(), "threads": torch.get_num_threads(), "batch1": b1, f"batch{ROLLOUT_BATCH}": b32,
         "speedup_batch1": b1["speedup"], f"speedup_batch{ROLLOUT_BATCH}": b32["speedup"],
         "identical": b1["identical"] and b32["identical"],
     }))
