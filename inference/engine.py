@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from inference.hf_backend import HFBackend
-from inference.lean import LeanBackend, Rope, build_rope, lean_unsupported_reason, read_dims
+from inference.lean import EAGER, LeanBackend, Rope, build_rope, compiled_blocks, lean_unsupported_reason, read_dims
 from inference.sampling import SamplingParams, sample_next
 
 __all__ = ["Completion", "Engine", "SamplingParams"]
@@ -141,7 +141,8 @@ class Engine:
     use_lean: None = lean decoder when the model supports it (checked at every call, so model
     surgery after construction is respected); True = require it (ValueError naming why not);
     False = always the HF forward.
-    compile: torch.compile the lean decode step (see `compiled.py`); off by default.
+    compile: torch.compile the cache-free halves of each lean layer (lean path only); off by
+    default because on CPU its first call costs tens of seconds (see benchmarks/generate.py).
     """
 
     def __init__(self, model: nn.Module, *, max_seq_len: int | None = None,
@@ -173,7 +174,8 @@ class Engine:
         dims = read_dims(self.model)
         if self._rope is None or self._rope.cos.device != device:
             self._rope = build_rope(self.model.config, dims.head_dim, self.max_seq_len, device)
-        return LeanBackend(self.model, dims, self._rope, batch, max_len)
+        blocks = compiled_blocks() if self.compile else EAGER
+        return LeanBackend(self.model, dims, self._rope, batch, max_len, blocks)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,

@@ -19,8 +19,10 @@ NEW_CACHE_KWARG, OLD_CACHE_KWARG = "cache", "past_key_values"
 
 
 def _forward_params(model: nn.Module) -> set[str]:
+    """Keyword names the underlying HF model accepts (a PEFT wrapper passes **kwargs through)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     try:
-        return set(inspect.signature(model.forward).parameters)
+        return set(inspect.signature(base.forward).parameters)
     except (TypeError, ValueError):
         return set()
 

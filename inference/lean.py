@@ -19,7 +19,9 @@ live rows, so dropping finished rows is an in-place gather of the used prefix (n
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,8 @@ KEY, VALUE = 0, 1
 def lean_unsupported_reason(model: nn.Module) -> str | None:
     """Why the lean decoder cannot run `model` exactly, or None when it can."""
     name = type(model).__name__
+    if hasattr(model, "peft_config"):
+        return f"the model is wrapped by PEFT ({name}); adapters run in their own forward"
     if name not in LEAN_ARCHITECTURES:
         return f"architecture {name} is not one of {sorted(LEAN_ARCHITECTURES)}"
     for check in (_config_reason, _module_reason):
@@ -225,17 +229,47 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
-def _project_qkv(h: torch.Tensor, w: LayerWeights, dims: Dims, cos, sin_signed):
-    """h: (B, T, C) -> q (B, T, H, D), k (B, T, H_kv, D), v (B, T, H_kv, D); q, k rotated."""
-    B, T, _ = h.shape
+def attention_inputs(x: torch.Tensor, w: LayerWeights, dims: Dims, cos, sin_signed):
+    """Pre-norm, fused q|k|v projection, per-head q/k norm, RoPE.
+
+    x: (B, T, C) -> q (B, T, H, D), k (B, T, H_kv, D), v (B, T, H_kv, D).
+    """
+    B, T, _ = x.shape
     D, n_qk = dims.head_dim, dims.heads + dims.kv_heads
-    qkv = F.linear(h, w.qkv, w.qkv_bias)  # (B, T, (H + 2 H_kv) D)
+    qkv = F.linear(rms_norm(x, w.input_norm, dims.eps), w.qkv, w.qkv_bias)  # (B, T, (H + 2 H_kv) D)
     qk = qkv[..., : n_qk * D].view(B, T, n_qk, D)  # (B, T, H + H_kv, D)
     v = qkv[..., n_qk * D:].view(B, T, dims.kv_heads, D)  # (B, T, H_kv, D)
     if w.qk_norm is not None:
         qk = rms_norm(qk, w.qk_norm, dims.eps)
     qk = apply_rope(qk, cos, sin_signed)  # (B, T, H + H_kv, D)
     return qk[:, :, : dims.heads], qk[:, :, dims.heads:], v
+
+
+def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, w: LayerWeights, dims: Dims):
+    """Output projection + residual, then the SiLU-gated MLP + residual. x: (B, T, C); attn: (B, T, H D)."""
+    x = x + F.linear(attn, w.o, w.o_bias)
+    gate, up = F.linear(rms_norm(x, w.post_norm, dims.eps), w.gate_up, w.gate_up_bias).chunk(2, -1)
+    return x + F.linear(F.silu(gate) * up, w.down, w.down_bias)  # (B, T, C)
+
+
+class Blocks(NamedTuple):
+    """The two cache-free halves of a layer; eager functions or their torch.compile'd versions.
+
+    The cache write and attention stay outside so a compiled graph never mutates the big cache.
+    """
+
+    inputs: Callable = attention_inputs
+    output_and_mlp: Callable = attention_output_and_mlp
+
+
+EAGER = Blocks()
+
+
+@functools.cache
+def compiled_blocks() -> Blocks:
+    """torch.compile'd halves (dynamic shapes: the batch shrinks and T differs in prefill)."""
+    return Blocks(torch.compile(attention_inputs, dynamic=True),
+                  torch.compile(attention_output_and_mlp, dynamic=True))
 
 
 def _attend(q, k_cache, v_cache, mask, dims: Dims) -> torch.Tensor:
@@ -254,31 +288,29 @@ def _attend(q, k_cache, v_cache, mask, dims: Dims) -> torch.Tensor:
     return out.transpose(1, 2).reshape(B, T, H * D)
 
 
-def decoder_layer(x, w: LayerWeights, dims: Dims, rope_rows, kv: torch.Tensor, slot: int, mask):
+def decoder_layer(x, w: LayerWeights, dims: Dims, blocks: Blocks, rope_rows, kv, slot: int, mask):
     """One pre-norm block. x: (B, T, C); kv: (2, B, H_kv, T_max, D) this layer's cache."""
     T = x.shape[1]
-    q, k, v = _project_qkv(rms_norm(x, w.input_norm, dims.eps), w, dims, *rope_rows)
+    q, k, v = blocks.inputs(x, w, dims, *rope_rows)
     kv[KEY, :, :, slot: slot + T] = k.transpose(1, 2)  # (B, H_kv, T, D)
     kv[VALUE, :, :, slot: slot + T] = v.transpose(1, 2)
     end = slot + T
     attn = _attend(q, kv[KEY, :, :, :end], kv[VALUE, :, :, :end], mask, dims)  # (B, T, H D)
-    x = x + F.linear(attn, w.o, w.o_bias)
-    gate, up = F.linear(rms_norm(x, w.post_norm, dims.eps), w.gate_up, w.gate_up_bias).chunk(2, -1)
-    return x + F.linear(F.silu(gate) * up, w.down, w.down_bias)  # (B, T, C)
+    return blocks.output_and_mlp(x, attn, w, dims)  # (B, T, C)
 
 
-def forward(weights: Weights, dims: Dims, rope: Rope, ids, positions, kv, slot: int, mask):
+def forward(weights: Weights, dims: Dims, blocks: Blocks, rope: Rope, ids, positions, kv, slot: int, mask):
     """Run the decoder on new tokens written at cache slots [slot, slot + T).
 
     ids, positions: (B, T); kv: (L, 2, B, H_kv, T_max, D); mask: (B, 1, T, slot + T) bool or
-    None. Returns fp32-or-model-dtype logits of the LAST position: (B, V).
+    None. Returns logits of the LAST position, in the model dtype: (B, V).
     """
     x = F.embedding(ids, weights.embed)  # (B, T, C)
     dtype = x.dtype
     rope_rows = (rope.cos[positions].unsqueeze(2).to(dtype),  # (B, T, 1, D)
                  rope.sin_signed[positions].unsqueeze(2).to(dtype))
     for layer, w in enumerate(weights.layers):
-        x = decoder_layer(x, w, dims, rope_rows, kv[layer], slot, mask)
+        x = decoder_layer(x, w, dims, blocks, rope_rows, kv[layer], slot, mask)
     last = rms_norm(x[:, -1], weights.final_norm, dims.eps)  # (B, C)
     return F.linear(last, weights.lm_head)  # (B, V)
 
@@ -289,9 +321,10 @@ def forward(weights: Weights, dims: Dims, rope: Rope, ids, positions, kv, slot: 
 class LeanBackend:
     """The lean decoder's state for one `generate` call: weights, KV cache, key mask."""
 
-    def __init__(self, model: nn.Module, dims: Dims, rope: Rope, batch: int, max_len: int):
+    def __init__(self, model: nn.Module, dims: Dims, rope: Rope, batch: int, max_len: int,
+                 blocks: Blocks = EAGER):
         self.weights = read_weights(model, dims)
-        self.dims, self.rope = dims, rope
+        self.dims, self.rope, self.blocks = dims, rope, blocks
         dtype, device = self.weights.embed.dtype, self.weights.embed.device
         self.kv = torch.empty(  # (L, 2, B, H_kv, T_max, D)
             dims.layers, 2, batch, dims.kv_heads, max_len, dims.head_dim, dtype=dtype, device=device
@@ -312,7 +345,7 @@ class LeanBackend:
             diag = torch.eye(P, dtype=torch.bool, device=ids.device)
             # Pad queries see only themselves, so no softmax row is empty (their output is unused).
             mask = (causal & self.key_ok[:, :, :, :P]) | diag  # (B, 1, P, P)
-        logits = forward(self.weights, self.dims, self.rope, ids, positions, self.kv, 0, mask)
+        logits = forward(self.weights, self.dims, self.blocks, self.rope, ids, positions, self.kv, 0, mask)
         self.slot = P
         return logits
 
@@ -320,7 +353,7 @@ class LeanBackend:
         """tokens, positions: (n,) -> logits (n, V); appends one slot to the cache."""
         n, end = self.n, self.slot + 1
         mask = self.key_ok[:n, :, :, :end] if self.padded else None  # (n, 1, 1, S)
-        logits = forward(self.weights, self.dims, self.rope, tokens[:, None], positions[:, None],
+        logits = forward(self.weights, self.dims, self.blocks, self.rope, tokens[:, None], positions[:, None],
                          self.kv[:, :, :n], self.slot, mask)
         self.slot = end
         return logits

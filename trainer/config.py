@@ -48,7 +48,7 @@ class DataConfig:
     # arith knobs
     n_train: int = 20000
     n_test: int = 200
-    digits: int = 3
+    digits: int = 2
     steps: int = 2
     ops: list[str] = field(default_factory=lambda: ["+", "-"])
     # user data (name=text)
@@ -99,7 +99,6 @@ class TrainerConfig:
     save_every: int = 50
     keep_last: int = 2
     resume: str = "auto"  # auto | never | PATH
-    compile: bool = False
     max_new_tokens: int = 160  # rollout length for on-policy algorithms
 
 

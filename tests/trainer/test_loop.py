@@ -187,3 +187,16 @@ def test_rollout_logprob_gap_is_logged_and_small(tmp_path):
     session2.algo.loss = mismatched
     fit(session2)
     assert _records(tmp_path / "run2")[0]["rollout/logprob_gap"] > 1e-2
+
+
+def test_wandb_offline_without_key_writes_run_files(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc key
+    from trainer.tracking import wandb_mode
+
+    assert wandb_mode() == "offline"
+    out = tmp_path / "run"
+    session, _ = _run(tiny_config(out, "trainer.max_steps=1", "logging.wandb=true"))
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))

@@ -1,0 +1,49 @@
+"""Entry points as a user runs them: train.py end to end, evaluate.py's JSON line, data errors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT, tiny_overrides
+
+
+def test_train_then_evaluate(tmp_path, subprocess_env):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *tiny_overrides(out, "trainer.max_steps=2")],
+                          env=subprocess_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "final" / "model.safetensors").exists() and (out / "metrics.jsonl").exists()
+    ev = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), f"model.path={out / 'final'}", "data=arith",
+                         "data.digits=2", "data.steps=1", "data.n_train=64", "data.n_test=8",
+                         "trainer.eval_examples=8", "trainer.eval_max_new_tokens=30"],
+                        env=subprocess_env, capture_output=True, text=True, timeout=300)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    result = json.loads(ev.stdout.strip().splitlines()[-1])
+    assert result["n"] == 8 and 0.0 <= result["accuracy"] <= 1.0
+
+
+def test_malformed_row_names_file_and_row(tmp_path, subprocess_env):
+    data = tmp_path / "train.jsonl"
+    rows = [{"question": "1+1?", "solution": "1+1=2\n#### 2", "answer": "2"}, {"question": "2+2?"}]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "run"
+    args = tiny_overrides(out, "data=text", f"data.path={data}", "data.test_fraction=0.5")
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], env=subprocess_env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3
+    assert str(data) in proc.stderr and "row 2" in proc.stderr, proc.stderr
+    assert not out.exists()
+
+
+def test_inference_cli_generates(tmp_path, subprocess_env):
+    from models.loading import TinySpec, build_tiny
+
+    model, tok = build_tiny(TinySpec(32, 1, 2, 64), seed=0)
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    proc = subprocess.run([sys.executable, "-m", "inference", str(tmp_path / "m"), "--prompt", "q: 1+2?\na: ",
+                           "--max-new-tokens", "5"], env=subprocess_env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() != ""
