@@ -75,6 +75,8 @@ def _module_reason(model: nn.Module) -> str | None:
             return f"{name} is a {type(module).__name__}, not a plain torch.nn.Linear"
         if module._forward_hooks or module._forward_pre_hooks:
             return f"{name or 'model'} has forward hooks the lean path would skip"
+    if not hasattr(getattr(model.model, "rotary_emb", None), "inv_freq"):
+        return "no model.rotary_emb.inv_freq buffer to build RoPE tables from"
     expected = [model.lm_head, model.model.embed_tokens]
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -83,6 +85,18 @@ def _module_reason(model: nn.Module) -> str | None:
     for module in expected:
         if type(module) not in (nn.Linear, nn.Embedding):
             return f"{type(module).__name__} where a plain Linear/Embedding was expected"
+    return _norm_reason(model)
+
+
+def _norm_reason(model: nn.Module) -> str | None:
+    """Norms are re-implemented as HF's RMSNorm; anything else (a swapped-in norm) must run its own."""
+    norms = [model.model.norm]
+    for layer in model.model.layers:
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [getattr(layer.self_attn, name) for name in ("q_norm", "k_norm") if hasattr(layer.self_attn, name)]
+    for norm in norms:
+        if not type(norm).__name__.endswith("RMSNorm") or norm.variance_epsilon != model.config.rms_norm_eps:
+            return f"{type(norm).__name__} is not the architecture's RMSNorm with eps={model.config.rms_norm_eps}"
     return None
 
 
@@ -91,7 +105,7 @@ def _module_reason(model: nn.Module) -> str | None:
 
 @dataclass
 class Dims:
-    """Static sizes of the decoder, read from the config once per engine."""
+    """Sizes of the decoder, read from the config at each call."""
 
     layers: int
     heads: int
@@ -189,25 +203,34 @@ def read_weights(model: nn.Module, dims: Dims) -> Weights:
 
 @dataclass
 class Rope:
-    """cos / signed-sin tables for positions [0, T_max); computed once per engine.
+    """cos / signed-sin tables for positions [0, T_max), built once and reused while valid.
 
     `sin_signed = cat(-sin, sin)` so that rotate_half(x) * sin == roll(x, D/2) * sin_signed,
     which is bit-identical to the HF formula with one op fewer.
     """
 
+    inv_freq: torch.Tensor  # (D/2,) fp32, the source the tables were built from
     cos: torch.Tensor  # (T_max, D) fp32
     sin_signed: torch.Tensor  # (T_max, D) fp32
 
 
-def build_rope(config, head_dim: int, max_len: int, device: torch.device) -> Rope:
-    theta = config.rope_parameters["rope_theta"]
-    # Same float32 arithmetic as HF's compute_default_rope_parameters + rotary forward.
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    positions = torch.arange(max_len, dtype=torch.int64).float()  # (T_max,)
+def rope_tables(model: nn.Module, max_len: int, cached: Rope | None = None) -> Rope:
+    """Tables from the model's own `inv_freq` buffer, with HF's float32 arithmetic.
+
+    Reading the buffer (not recomputing it from rope_theta) keeps us bit-identical to HF even when
+    the model was cast with `.to(bf16)`, which also rounds that buffer.
+    """
+    rotary = model.model.rotary_emb
+    inv_freq = rotary.inv_freq.detach().float()  # (D/2,)
+    if cached is not None and cached.cos.shape[0] >= max_len and cached.inv_freq.device == inv_freq.device \
+            and torch.equal(cached.inv_freq, inv_freq):
+        return cached
+    positions = torch.arange(max_len, device=inv_freq.device).float()  # (T_max,)
     freqs = positions[:, None] * inv_freq[None, :]  # (T_max, D/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T_max, D)
-    sin = freqs.sin()
-    return Rope(cos=emb.cos().to(device), sin_signed=torch.cat((-sin, sin), dim=-1).to(device))
+    scale = getattr(rotary, "attention_scaling", 1.0)
+    sin = emb.sin()[:, : inv_freq.numel()] * scale
+    return Rope(inv_freq, emb.cos() * scale, torch.cat((-sin, sin), dim=-1))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -336,6 +359,7 @@ class LeanBackend:
 
     def prefill(self, ids, positions, valid) -> torch.Tensor:
         """ids, positions, valid: (B, P), left-padded -> last-position logits (B, V)."""
+        assert ids.shape == positions.shape == valid.shape and ids.shape[0] == self.n, ids.shape
         P = ids.shape[1]
         self.padded = not bool(valid.all())
         mask = None

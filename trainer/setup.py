@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from algorithms import build_algorithm
-from models.loading import TinySpec, load_pretrained
+from models.loading import load_pretrained
 from trainer import checkpoint
 from trainer.backends import build_backend
 from trainer.config import DataConfig, ModelConfig, TrainConfig, to_dict

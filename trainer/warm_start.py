@@ -77,7 +77,7 @@ def build(m, seed: int, path: str) -> None:
         backend=BackendConfig(name="single"), logging=LoggingConfig(wandb=False),
         trainer=TrainerConfig(max_steps=r["steps"], batch_size=r["batch_size"], micro_batch_size=r["batch_size"],
                               lr=r["lr"], warmup_steps=max(1, r["steps"] // 20), min_lr_ratio=0.05,
-                              eval_every=r["steps"], eval_examples=WARM_EVAL_EXAMPLES, save_every=10**9, resume="never"),
+                              eval_every=max(1, r["steps"] // 3), eval_examples=WARM_EVAL_EXAMPLES, save_every=10**9, resume="never"),
         algo=SFTConfig(reference_fraction=r["reference_fraction"], seed=seed),
     )
     threads = torch.get_num_threads()

@@ -7,7 +7,7 @@ import math
 import torch
 
 from algorithms import losses
-from algorithms.base import Batch, RolloutContext
+from algorithms.base import RolloutContext
 from algorithms.sft import SFT, SFTConfig
 from models.loading import TinySpec, build_tiny
 from trainer.data import build_task
