@@ -18,17 +18,25 @@ greedy output is not one repeated token). `--model DIR` loads any local HF causa
 
     python benchmarks/generate.py [--model DIR] [--new-tokens 128] [--repeats 5] [--compile] [--threads N]
 
+Also timed: our engine forced onto the HF forward (`use_lean=False`, the path LoRA / quantized /
+other architectures take), which shows what batching + compaction alone are worth.
+
 Prints tokens/s per engine and case, the ratios, and last one JSON line with all figures.
+Timing runs alternate HF / ours so that drifts of a shared machine hit both alike. On small VMs
+(2 vCPUs) torch's default 2 OpenMP threads can make each parallel op cost milliseconds at times;
+`--threads 1` gives steadier figures there.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -87,37 +95,42 @@ def ours_generate(engine: Engine, prompts, new_tokens: int, eos: int | None) -> 
     return [c.tokens for c in engine.generate(prompts, params)]
 
 
-def timed_pair(fn_a, fn_b, repeats: int) -> tuple[float, list, float, list]:
-    """Median seconds of two functions over `repeats` interleaved runs, after one warm-up each.
+def timed_interleaved(fns: dict[str, Callable[[], list]], repeats: int) -> dict[str, tuple[float, list]]:
+    """Median seconds and last outputs of each function over `repeats` interleaved rounds.
 
-    Interleaving (a, b, a, b, ...) makes slow drifts of a shared machine hit both alike.
+    One warm-up call each first; interleaving (a, b, c, a, b, c, ...) makes slow drifts of a
+    shared machine hit every contender alike.
     """
-    out_a, out_b = fn_a(), fn_b()
-    secs_a, secs_b = [], []
+    outputs = {name: fn() for name, fn in fns.items()}
+    seconds: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        for fn, secs in ((fn_a, secs_a), (fn_b, secs_b)):
+        for name, fn in fns.items():
             start = time.perf_counter()
-            out = fn()
-            secs.append(time.perf_counter() - start)
-            out_a, out_b = (out, out_b) if fn is fn_a else (out_a, out)
-    return statistics.median(secs_a), out_a, statistics.median(secs_b), out_b
+            outputs[name] = fn()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: (statistics.median(seconds[name]), outputs[name]) for name in fns}
 
 
-def compare(name: str, model, engine, prompts, new_tokens: int, eos, repeats: int) -> dict:
-    hf_s, hf_out, our_s, our_out = timed_pair(
-        lambda: hf_generate(model, prompts, new_tokens, eos),
-        lambda: ours_generate(engine, prompts, new_tokens, eos), repeats,
-    )
-    hf_tokens, our_tokens = sum(map(len, hf_out)), sum(map(len, our_out))
+def compare(name: str, model, engines: dict[str, Engine], prompts, new_tokens: int, eos,
+            repeats: int) -> dict:
+    """HF generate vs each engine on the same prompts; tokens/s counts only real output tokens."""
+    fns = {"hf": lambda: hf_generate(model, prompts, new_tokens, eos)}
+    for label, engine in engines.items():
+        fns[label] = functools.partial(ours_generate, engine, prompts, new_tokens, eos)
+    timed = timed_interleaved(fns, repeats)
+    rate = {label: sum(map(len, out)) / secs for label, (secs, out) in timed.items()}
+    hf_out, our_out = timed["hf"][1], timed["ours"][1]
     lengths = [len(o) for o in our_out]
-    result = {
-        "hf_tok_s": hf_tokens / hf_s, "ours_tok_s": our_tokens / our_s,
-        "speedup": (our_tokens / our_s) / (hf_tokens / hf_s), "identical": hf_out == our_out,
-        "tokens": our_tokens, "min_len": min(lengths), "max_len": max(lengths),
-    }
-    print(f"[{name}] HF {result['hf_tok_s']:.0f} tok/s ({hf_s * 1e3:.0f} ms), ours "
-          f"{result['ours_tok_s']:.0f} tok/s ({our_s * 1e3:.0f} ms), x{result['speedup']:.2f}, "
-          f"greedy identical: {result['identical']}, rows' lengths {min(lengths)}..{max(lengths)}")
+    result = {f"{label}_tok_s": r for label, r in rate.items()}
+    result.update({
+        "speedup": rate["ours"] / rate["hf"], "identical": all(timed[k][1] == hf_out for k in engines),
+        "tokens": sum(lengths), "min_len": min(lengths), "max_len": max(lengths),
+    })
+    if "ours_hf_path" in rate:
+        result["speedup_hf_path"] = rate["ours_hf_path"] / rate["hf"]
+    figures = ", ".join(f"{label} {r:.0f} tok/s ({timed[label][0] * 1e3:.0f} ms)" for label, r in rate.items())
+    print(f"[{name}] {figures}; ours/HF x{result['speedup']:.2f}, greedy identical: "
+          f"{result['identical']}, rows' lengths {min(lengths)}..{max(lengths)}")
     return result
 
 
@@ -138,7 +151,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     model = AutoModelForCausalLM.from_pretrained(args.model).eval() if args.model else tiny_qwen3()
+    # Only the stop token we pass may stop HF (a loaded generation_config may carry its own eos).
+    model.generation_config.eos_token_id = None
     engine = Engine(model, compile=args.compile)
+    # Our loop (batching, compaction, sampling) around the HF forward: what non-lean models get.
+    engines = {"ours": engine, "ours_hf_path": Engine(model, use_lean=False)}
     vocab = model.get_input_embeddings().num_embeddings
     print(f"model {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
           f"params, lean decoder: {engine.lean_active()}, threads {torch.get_num_threads()}")
@@ -147,11 +164,12 @@ def main() -> None:
     batch = random_prompts(ROLLOUT_BATCH, PROMPT_LEN_RANGE, vocab)
     eos = most_frequent_token(model, batch, args.new_tokens)
     print(f"batch-{ROLLOUT_BATCH} stop token (most frequent greedy output): {eos}")
-    b1 = compare("batch 1", model, engine, single, args.new_tokens, None, args.repeats)
-    b32 = compare(f"batch {ROLLOUT_BATCH}", model, engine, batch, args.new_tokens, eos, args.repeats)
+    b1 = compare("batch 1", model, engines, single, args.new_tokens, None, args.repeats)
+    b32 = compare(f"batch {ROLLOUT_BATCH}", model, engines, batch, args.new_tokens, eos, args.repeats)
     print(json.dumps({
         "model": args.model or "tiny-qwen3", "new_tokens": args.new_tokens, "compile": args.compile,
-        "lean": engine.lean_active(), "threads": torch.get_num_threads(), "batch1": b1, f"batch{ROLLOUT_BATCH}": b32,
+        "lean": engine.lean_active(), "threads": torch.get_num_threads(),
+        "batch1": b1, f"batch{ROLLOUT_BATCH}": b32,
         "speedup_batch1": b1["speedup"], f"speedup_batch{ROLLOUT_BATCH}": b32["speedup"],
         "identical": b1["identical"] and b32["identical"],
     }))

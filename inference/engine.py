@@ -107,7 +107,8 @@ class StopRule:
     def active(self) -> bool:
         return self.ids is not None or bool(self.seqs)
 
-    def __call__(self, tokens: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, step: int) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
+                 step: int) -> torch.Tensor:
         """tokens: (n,) just sampled; out: (B, N) all outputs so far; rows: (n,) -> (n,) bool."""
         stopped = torch.zeros_like(tokens, dtype=torch.bool)
         if self.ids is not None:

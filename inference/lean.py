@@ -90,13 +90,15 @@ def _module_reason(model: nn.Module) -> str | None:
 
 def _norm_reason(model: nn.Module) -> str | None:
     """Norms are re-implemented as HF's RMSNorm; anything else (a swapped-in norm) must run its own."""
+    eps = model.config.rms_norm_eps
     norms = [model.model.norm]
     for layer in model.model.layers:
+        attn = layer.self_attn
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
-        norms += [getattr(layer.self_attn, name) for name in ("q_norm", "k_norm") if hasattr(layer.self_attn, name)]
+        norms += [getattr(attn, name) for name in ("q_norm", "k_norm") if hasattr(attn, name)]
     for norm in norms:
-        if not type(norm).__name__.endswith("RMSNorm") or norm.variance_epsilon != model.config.rms_norm_eps:
-            return f"{type(norm).__name__} is not the architecture's RMSNorm with eps={model.config.rms_norm_eps}"
+        if not type(norm).__name__.endswith("RMSNorm") or norm.variance_epsilon != eps:
+            return f"{type(norm).__name__} is not the architecture's RMSNorm with eps={eps}"
     return None
 
 
@@ -222,8 +224,7 @@ def rope_tables(model: nn.Module, max_len: int, cached: Rope | None = None) -> R
     """
     rotary = model.model.rotary_emb
     inv_freq = rotary.inv_freq.detach().float()  # (D/2,)
-    if cached is not None and cached.cos.shape[0] >= max_len and cached.inv_freq.device == inv_freq.device \
-            and torch.equal(cached.inv_freq, inv_freq):
+    if _still_valid(cached, inv_freq, max_len):
         return cached
     positions = torch.arange(max_len, device=inv_freq.device).float()  # (T_max,)
     freqs = positions[:, None] * inv_freq[None, :]  # (T_max, D/2)
@@ -231,6 +232,11 @@ def rope_tables(model: nn.Module, max_len: int, cached: Rope | None = None) -> R
     scale = getattr(rotary, "attention_scaling", 1.0)
     sin = emb.sin()[:, : inv_freq.numel()] * scale
     return Rope(inv_freq, emb.cos() * scale, torch.cat((-sin, sin), dim=-1))
+
+
+def _still_valid(cached: Rope | None, inv_freq: torch.Tensor, max_len: int) -> bool:
+    return (cached is not None and cached.cos.shape[0] >= max_len
+            and cached.inv_freq.device == inv_freq.device and torch.equal(cached.inv_freq, inv_freq))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -377,8 +383,9 @@ class LeanBackend:
         """tokens, positions: (n,) -> logits (n, V); appends one slot to the cache."""
         n, end = self.n, self.slot + 1
         mask = self.key_ok[:n, :, :, :end] if self.padded else None  # (n, 1, 1, S)
-        logits = forward(self.weights, self.dims, self.blocks, self.rope, tokens[:, None], positions[:, None],
-                         self.kv[:, :, :n], self.slot, mask)
+        live_kv = self.kv[:, :, :n]  # (L, 2, n, H_kv, T_max, D)
+        logits = forward(self.weights, self.dims, self.blocks, self.rope, tokens[:, None],
+                         positions[:, None], live_kv, self.slot, mask)
         self.slot = end
         return logits
 

@@ -42,7 +42,9 @@ def first_index(seq: list[int], sub: list[int]) -> int:
 # ----------------------------------------------------------------------------- HF parity
 
 
-@pytest.mark.parametrize("arch,use_lean", [("qwen3", True), ("qwen3", False), ("llama", True), ("qwen2", True)])
+@pytest.mark.parametrize(
+    "arch,use_lean", [("qwen3", True), ("qwen3", False), ("llama", True), ("qwen2", True)]
+)
 def test_greedy_batch1_matches_hf_generate(make_model, prompts, arch, use_lean):
     model = make_model(arch)
     assert lean_unsupported_reason(model) is None
@@ -266,6 +268,7 @@ def test_bad_prompts_are_rejected(qwen3):
     assert Engine(qwen3).generate([], GREEDY) == []
 
 
+@pytest.mark.slow  # torch.compile: ~10 s warm, longer with a cold inductor cache
 def test_compiled_lean_path_matches_eager(qwen3, prompts):
     """compile=True (torch.compile of the cache-free layer halves) gives the same tokens."""
     params = SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=(7,))
