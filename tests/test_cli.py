@@ -34,16 +34,3 @@ def test_malformed_row_names_file_and_row(tmp_path, subprocess_env):
     assert proc.returncode == 3
     assert str(data) in proc.stderr and "row 2" in proc.stderr, proc.stderr
     assert not out.exists()
-
-
-def test_inference_cli_generates(tmp_path, subprocess_env):
-    from models.loading import TinySpec, build_tiny
-
-    model, tok = build_tiny(TinySpec(32, 1, 2, 64), seed=0)
-    model.save_pretrained(tmp_path / "m")
-    tok.save_pretrained(tmp_path / "m")
-    proc = subprocess.run([sys.executable, "-m", "inference", str(tmp_path / "m"), "--prompt", "q: 1+2?\na: ",
-                           "--max-new-tokens", "5"], env=subprocess_env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() != ""
