@@ -13,6 +13,7 @@ averages gradients over ranks), so summed micro-batch losses equal the exact glo
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
 
@@ -74,17 +75,32 @@ class StepOutput:
     token_logprobs: Optional[Tensor] = None  # (B, T) trainer log-probs of the rollout tokens (for the gap metric)
 
 
-@dataclass
 class RolloutContext:
-    """What make_batch may use: the generation engine over current weights, the task, the tokenizer."""
+    """What make_batch may use: the task, the tokenizer, a seeded generator (checkpointed), and --
+    built only on first use, since gathering full weights costs a collective under FSDP/ZeRO-3 --
+    the full-weight policy and a generation engine over it."""
 
-    engine: Any  # inference.Engine over the current weights
-    task: Any  # trainer.data Task
-    tokenizer: Any
-    generator: torch.Generator  # seeded; its state is checkpointed
-    device: torch.device
-    max_new_tokens: int
-    policy: Optional[torch.nn.Module] = None  # full-weight model for no-grad teacher passes
+    def __init__(self, task: Any, tokenizer: Any, generator: torch.Generator, device: torch.device,
+                 max_new_tokens: int, policy_fn: Optional[Callable[[], torch.nn.Module]] = None):
+        self.task = task
+        self.tokenizer = tokenizer
+        self.generator = generator
+        self.device = device
+        self.max_new_tokens = max_new_tokens
+        self._policy_fn = policy_fn
+
+    @functools.cached_property
+    def policy(self) -> torch.nn.Module:
+        """The current weights as one full module, for rollouts and no-grad teacher passes."""
+        if self._policy_fn is None:
+            raise RuntimeError("this RolloutContext was built without a policy")
+        return self._policy_fn()
+
+    @functools.cached_property
+    def engine(self) -> Any:
+        from inference import Engine
+
+        return Engine(self.policy)
 
 
 class Algorithm(Protocol):

@@ -17,7 +17,6 @@ import torch
 
 from algorithms.base import Batch, RolloutContext
 from algorithms.losses import logprob_gap
-from inference import Engine
 from trainer import checkpoint
 from trainer.distributed import World
 from trainer.evaluation import evaluate
@@ -89,9 +88,8 @@ def fit(s: Session) -> str:
 
 
 def rollout_context(s: Session) -> RolloutContext:
-    policy = s.backend.full_model()
-    return RolloutContext(engine=Engine(policy), task=s.task, tokenizer=s.tokenizer, generator=s.generator,
-                          device=s.world.device, max_new_tokens=s.cfg.trainer.max_new_tokens, policy=policy)
+    return RolloutContext(s.task, s.tokenizer, s.generator, s.world.device, s.cfg.trainer.max_new_tokens,
+                          policy_fn=s.backend.full_model)
 
 
 def train_step(s: Session, batch: Batch) -> dict:

@@ -35,8 +35,7 @@ def test_token_logprobs_hand_computed():
 
 
 def _ctx(tok, task):
-    return RolloutContext(engine=None, task=task, tokenizer=tok, generator=torch.Generator(), device=torch.device("cpu"),
-                          max_new_tokens=8)
+    return RolloutContext(task, tok, torch.Generator(), torch.device("cpu"), max_new_tokens=8)
 
 
 def test_loss_mask_covers_solution_and_eos_only():
