@@ -36,18 +36,18 @@ class World:
             dist.barrier(group=self.group)
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        if self.distributed:
-            value = value.to(self.device, copy=True)  # NCCL reduces device tensors only
-            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.group)
-            value = value.cpu()
-        return value
+        return self._all_reduce(value, dist.ReduceOp.SUM)
 
     def all_reduce_max(self, value: torch.Tensor) -> torch.Tensor:
-        if self.distributed:
-            value = value.to(self.device, copy=True)  # NCCL reduces device tensors only
-            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
-            value = value.cpu()
-        return value
+        return self._all_reduce(value, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, value: torch.Tensor, op) -> torch.Tensor:
+        """A reduced copy on CPU; the input is untouched. NCCL reduces device tensors only."""
+        if not self.distributed:
+            return value
+        value = value.to(self.device, copy=True)
+        dist.all_reduce(value, op=op, group=self.group)
+        return value.cpu()
 
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank."""
