@@ -93,9 +93,13 @@ def build(m, seed: int, path: str) -> None:
         accuracy = [json.loads(l) for l in open(os.path.join(tmp, "metrics.jsonl")) if '"eval"' in l][-1]["accuracy"]
         with open(os.path.join(tmp, "final", DONE), "w") as fh:
             json.dump({"recipe": r, "seconds": time.perf_counter() - started, "accuracy": accuracy}, fh, indent=1)
-        shutil.rmtree(path, ignore_errors=True)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        os.replace(os.path.join(tmp, "final"), path)
+        try:
+            os.replace(os.path.join(tmp, "final"), path)  # atomic publish
+        except OSError:
+            if not os.path.exists(os.path.join(path, DONE)):
+                raise
+            # Another job published the same recipe first; same recipe + seed gives the same weights.
         print(f"warm start done in {time.perf_counter() - started:.0f}s, held-out accuracy {accuracy:.2f}", flush=True)
     finally:
         torch.set_num_threads(threads)

@@ -72,3 +72,19 @@ def test_sharded_resume_matches_uninterrupted(tmp_path, subprocess_env, single_l
     assert "at step 2" in resumed.stdout, resumed.stdout[-2000:]  # it resumed rather than restarted
     losses = _losses(out, resumed)
     assert max(abs(a - b) for a, b in zip(losses, single_losses)) < PARITY_TOL, (losses, single_losses)
+
+
+def test_warm_start_built_by_rank0_and_shared(tmp_path, subprocess_env):
+    """model=tiny under torchrun: rank 0 builds the cache entry while rank 1 waits, then both load it."""
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    small = ["model=tiny", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
+             "model.intermediate_size=64", "model.warm_start_steps=2", "model.warm_start_batch_size=4",
+             f"model.cache_dir={cache}"]
+    args = [a for a in tiny_overrides(out, "trainer.max_steps=2", "backend=ddp") if not a.startswith("model")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "train.py"), *args, *small]
+    proc = subprocess.run(cmd, env=subprocess_env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    entries = [p for p in cache.iterdir() if p.name.startswith("tiny-")]
+    assert len(entries) == 1 and (entries[0] / "warm_start.json").exists(), proc.stderr[-3000:]
+    assert proc.stdout.count("building the warm-started tiny model") == 1
+    assert (out / "final" / "config.json").exists(), proc.stderr[-3000:]
