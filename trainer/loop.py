@@ -72,8 +72,13 @@ def fit(s: Session) -> str:
     try:
         while s.step < t.max_steps:
             s.step += 1
+            started = time.perf_counter()
             batch = s.algo.make_batch(s.stream.next_batch(), rollout_context(s))
+            make_batch_s = time.perf_counter() - started
             record = train_step(s, batch)
+            elapsed = time.perf_counter() - started
+            record.update(make_batch_s=make_batch_s, step_time_s=elapsed, tokens_per_s=record["tokens"] / elapsed)
+            s.tracker.log(record)
             if s.step % t.eval_every == 0 or s.step == t.max_steps:
                 record["accuracy"] = run_eval(s)["accuracy"]
             s.tracker.progress(s.step, _shown(record))
@@ -93,13 +98,13 @@ def rollout_context(s: Session) -> RolloutContext:
 
 
 def train_step(s: Session, batch: Batch) -> dict:
-    """Forward/backward over micro-batches with exact global-token normalisation, then one optimizer step."""
-    started = time.perf_counter()
+    """Forward/backward over micro-batches with exact global-token normalisation, then one optimizer step.
+    Returns the step's train record (losses and metrics averaged over ranks)."""
     world, backend = s.world, s.backend
     micros = batch.micro_batches(s.cfg.trainer.micro_batch_size)
     global_targets = world.all_reduce_sum(batch.num_targets().double())
     normaliser = (global_targets / world.size).clamp(min=1).float()  # backends average grads over ranks
-    loss_sum, metric_sums, gap = torch.zeros(()), {}, None
+    loss_sum, metric_sums, gaps = torch.zeros(()), {}, []
     for i, micro in enumerate(micros):
         with backend.accumulate(last=i == len(micros) - 1), _autocast(world.device):
             out = s.algo.loss(backend.train_model, micro, normaliser)
@@ -108,18 +113,15 @@ def train_step(s: Session, batch: Batch) -> dict:
         loss_sum += out.loss.detach().float().cpu()
         for k, v in out.metrics.items():
             metric_sums[k] = metric_sums.get(k, 0.0) + v.detach().float().cpu() / len(micros)
-        if i == 0 and micro.rollout_logprobs is not None and out.token_logprobs is not None:
-            gap = logprob_gap(out.token_logprobs, micro.rollout_logprobs, micro.loss_mask).cpu()
+        if micro.rollout_logprobs is not None and out.token_logprobs is not None:
+            gaps.append(logprob_gap(out.token_logprobs, micro.rollout_logprobs, micro.loss_mask).cpu())
     grad_norm = backend.step(s.cfg.trainer.max_grad_norm)
     tokens = world.all_reduce_sum(batch.attention_mask.sum().double().cpu()).item()
+    if gaps:  # the rollout-vs-trainer log-prob gap: must stay ~0 for on-policy algorithms
+        metric_sums["rollout/logprob_gap"] = torch.stack(gaps).mean()
     reduced = _mean_over_ranks(world, {"loss": loss_sum, **metric_sums})
-    elapsed = time.perf_counter() - started
-    record = {"step": s.step, "split": "train", **reduced, "grad_norm": grad_norm, "lr": backend.lr,
-              "tokens": int(tokens), "tokens_per_s": tokens / elapsed, "step_time_s": elapsed}
-    if gap is not None:
-        record["rollout/logprob_gap"] = _mean_over_ranks(world, {"g": gap})["g"]
-    s.tracker.log(record)
-    return record
+    return {"step": s.step, "split": "train", **reduced, "grad_norm": grad_norm, "lr": backend.lr,
+            "tokens": int(tokens)}
 
 
 def _mean_over_ranks(world: World, values: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 
 import numpy as np
 import torch
@@ -99,8 +100,6 @@ def _resume_path(cfg: TrainConfig):
 
 def export_final(s: Session) -> str:
     """Write the algorithm's artifact to output_dir/final/ (rank 0), atomically."""
-    import shutil
-
     model = s.backend.full_model()
     final = os.path.join(s.cfg.output_dir, "final")
     if s.world.is_main:
