@@ -47,24 +47,34 @@ class Batch:
     def num_targets(self) -> Tensor:
         return self.loss_mask.sum()
 
-    def _map(self, fn: Callable[[Tensor], Tensor], rows: slice) -> "Batch":
+    def _map(self, fn: Callable[[Tensor], Tensor], rows: Optional[Tensor] = None) -> "Batch":
+        """Apply `fn` to every tensor field; `rows` (an index tensor) also selects from list fields."""
         values = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            values[f.name] = fn(v) if isinstance(v, Tensor) else (v[rows] if isinstance(v, list) else v)
+            if isinstance(v, Tensor):
+                v = fn(v)
+            elif isinstance(v, list) and rows is not None:
+                v = [v[i] for i in rows.tolist()]
+            values[f.name] = v
         return Batch(**values)
 
     def to(self, device: torch.device) -> "Batch":
-        return self._map(lambda t: t.to(device), slice(None))
+        return self._map(lambda t: t.to(device))
 
     def micro_batches(self, size: int) -> list["Batch"]:
-        """Consecutive row slices of at most `size` rows, trimmed of all-padding columns."""
+        """Micro-batches of at most `size` rows, rows grouped by length and trimmed of all-padding
+        columns. The loss is a sum over rows divided by a global normaliser, so the grouping changes
+        no result, only how much padding is computed (rows with a privileged reference in the prompt
+        are much longer than the rest)."""
+        lengths = self.attention_mask.sum(1)  # (B,)
+        order = torch.sort(lengths.cpu(), stable=True).indices
         out = []
         for start in range(0, len(self), size):
-            rows = slice(start, start + size)
-            micro = self._map(lambda t: t[rows], rows)
-            width = int(micro.attention_mask.sum(1).max())
-            out.append(micro._map(lambda t: t[:, :width] if t.dim() == 2 else t, slice(None)))
+            rows = order[start : start + size]
+            width = int(lengths[rows.to(lengths.device)].max())
+            idx = rows.to(self.input_ids.device)
+            out.append(self._map(lambda t: t[idx][:, :width] if t.dim() == 2 else t[idx], rows))
         return out
 
 

@@ -21,12 +21,13 @@ import torch
 from models.loading import TinySpec, build_tiny, load_pretrained
 from trainer.distributed import World
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 DONE = "warm_start.json"
 # Same seed as the default data=arith, so the warm-up trains on its train split only and never sees
 # its held-out questions.
 WARM_DATA = {"seed": 0, "n_train": 20000, "n_test": 200, "digits": 2, "steps": 2, "ops": ["+", "-"]}
 WARM_EVAL_EXAMPLES = 100
+WARM_MICRO_BATCH = 32  # two length-grouped micro-batches: student rows and (longer) reference rows
 
 
 def recipe(m, seed: int) -> dict:
@@ -75,7 +76,7 @@ def build(m, seed: int, path: str) -> None:
     cfg = TrainConfig(
         output_dir=tmp, seed=seed, model=m, data=DataConfig(name="arith", **{**WARM_DATA, "ops": list(WARM_DATA["ops"])}),
         backend=BackendConfig(name="single"), logging=LoggingConfig(wandb=False),
-        trainer=TrainerConfig(max_steps=r["steps"], batch_size=r["batch_size"], micro_batch_size=r["batch_size"],
+        trainer=TrainerConfig(max_steps=r["steps"], batch_size=r["batch_size"], micro_batch_size=WARM_MICRO_BATCH,
                               lr=r["lr"], warmup_steps=max(1, r["steps"] // 20), min_lr_ratio=0.05,
                               eval_every=max(1, r["steps"] // 3), eval_examples=WARM_EVAL_EXAMPLES, save_every=10**9, resume="never"),
         algo=SFTConfig(reference_fraction=r["reference_fraction"], seed=seed),
