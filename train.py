@@ -13,7 +13,7 @@ EXIT_CONFIG, EXIT_DATA, EXIT_NONFINITE = 2, 3, 4
 def main(argv: list[str]) -> int:
     from trainer.config import ConfigError, load_config
 
-    from algorithms import config_schemas  # noqa: E402  (imports torch)
+    from algorithms import config_schemas
 
     try:
         cfg = load_config(argv, config_schemas())

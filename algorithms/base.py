@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -139,7 +139,3 @@ def pad_right(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) 
         ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
         mask[i, : len(r)] = 1
     return ids.to(device), mask.to(device)
-
-
-def trainable(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
-    return [p for p in params if p.requires_grad]

@@ -168,7 +168,7 @@ def load_config(overrides: list[str], algo_schemas: dict[str, type]) -> TrainCon
     try:
         raw = OmegaConf.to_container(raw, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as err:
-        raise ConfigError(_describe(err, name)) from None
+        raise ConfigError(_describe(err)) from None
     algo_raw = raw.pop("algo", {}) or {}
     try:
         base = OmegaConf.merge(OmegaConf.structured(TrainConfig(algo=None)), _without_algo(raw))
@@ -176,7 +176,7 @@ def load_config(overrides: list[str], algo_schemas: dict[str, type]) -> TrainCon
         cfg: TrainConfig = OmegaConf.to_object(base)
         cfg.algo = OmegaConf.to_object(algo)
     except OmegaConfBaseException as err:
-        raise ConfigError(_describe(err, name)) from None
+        raise ConfigError(_describe(err)) from None
     validate(cfg)
     return cfg
 
@@ -185,7 +185,7 @@ def _without_algo(raw: dict) -> dict:
     return {k: v for k, v in raw.items() if k != "algo"}
 
 
-def _describe(err: Exception, algo: str) -> str:
+def _describe(err: Exception) -> str:
     key = getattr(err, "full_key", None)
     msg = _one_line(err)
     if key and key not in msg:
