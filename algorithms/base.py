@@ -67,12 +67,12 @@ class Batch:
         columns. The loss is a sum over rows divided by a global normaliser, so the grouping changes
         no result, only how much padding is computed (rows with a privileged reference in the prompt
         are much longer than the rest)."""
-        lengths = self.attention_mask.sum(1)  # (B,)
-        order = torch.sort(lengths.cpu(), stable=True).indices
+        lengths = self.attention_mask.sum(1).cpu()  # (B,)
+        order = torch.sort(lengths, stable=True).indices
         out = []
         for start in range(0, len(self), size):
             rows = order[start : start + size]
-            width = int(lengths[rows.to(lengths.device)].max())
+            width = int(lengths[rows].max())
             idx = rows.to(self.input_ids.device)
             out.append(self._map(lambda t: t[idx][:, :width] if t.dim() == 2 else t[idx], rows))
         return out

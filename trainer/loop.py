@@ -116,12 +116,12 @@ def train_step(s: Session, batch: Batch) -> dict:
         if micro.rollout_logprobs is not None and out.token_logprobs is not None:
             gaps.append(logprob_gap(out.token_logprobs, micro.rollout_logprobs, micro.loss_mask).cpu())
     grad_norm = backend.step(s.cfg.trainer.max_grad_norm)
-    tokens = world.all_reduce_sum(batch.attention_mask.sum().double().cpu()).item()
     if gaps:  # the rollout-vs-trainer log-prob gap: must stay ~0 for on-policy algorithms
         metric_sums["rollout/logprob_gap"] = torch.stack(gaps).mean()
-    reduced = _mean_over_ranks(world, {"loss": loss_sum, **metric_sums})
-    return {"step": s.step, "split": "train", **reduced, "grad_norm": grad_norm, "lr": backend.lr,
-            "tokens": int(tokens)}
+    local_tokens = batch.attention_mask.sum().cpu()
+    reduced = _mean_over_ranks(world, {"loss": loss_sum, "tokens": local_tokens, **metric_sums})  # one collective
+    tokens = round(reduced.pop("tokens") * world.size)
+    return {"step": s.step, "split": "train", **reduced, "grad_norm": grad_norm, "lr": backend.lr, "tokens": tokens}
 
 
 def _mean_over_ranks(world: World, values: dict[str, torch.Tensor]) -> dict[str, float]:
