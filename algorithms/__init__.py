@@ -2,11 +2,17 @@
 
 A test checks this registry matches configs/algo/*.yaml.
 """
+from algorithms.mass import MASS, MASSConfig
+from algorithms.opsd import OPSD, OPSDConfig
 from algorithms.sft import SFT, SFTConfig
+from algorithms.tesd import TESD, TESDConfig
 
 # name -> (config dataclass, algorithm class)
 REGISTRY: dict[str, tuple[type, type]] = {
     "sft": (SFTConfig, SFT),
+    "opsd": (OPSDConfig, OPSD),
+    "mass": (MASSConfig, MASS),
+    "tesd": (TESDConfig, TESD),
 }
 
 

@@ -9,6 +9,8 @@ calls, per step,
 
 `normaliser` is the global number of loss tokens divided by the data-parallel size (the backend
 averages gradients over ranks), so summed micro-batch losses equal the exact global token mean.
+A batch whose rows carry `row_group` (e.g. TESD's student and teacher rows) gets a (G,) normaliser,
+one per group, so each loss term is a mean over its own tokens.
 """
 from __future__ import annotations
 
@@ -35,7 +37,11 @@ class Batch:
     rollout_logprobs: Optional[Tensor] = None  # (B, T) sampler log-prob of each completion token
     advantages: Optional[Tensor] = None  # (B,)
     token_weights: Optional[Tensor] = None  # (B, T)
+    teacher_hidden: Optional[Tensor] = None  # (B, T, K, H) teacher final hidden states predicting token t
+    row_group: Optional[Tensor] = None  # (B,) long: loss group of each row, each normalised on its own
+    num_groups: int = 1
     uids: list[str] = field(default_factory=list)
+    metrics: dict[str, Tensor] = field(default_factory=dict)  # rank-local scalars from make_batch, logged
 
     def __post_init__(self) -> None:
         assert self.input_ids.dim() == 2, f"input_ids must be (B, T), got {tuple(self.input_ids.shape)}"
@@ -45,7 +51,12 @@ class Batch:
         return self.input_ids.shape[0]
 
     def num_targets(self) -> Tensor:
-        return self.loss_mask.sum()
+        """Loss tokens: a scalar, or (num_groups,) per loss group when rows carry `row_group`."""
+        if self.row_group is None:
+            return self.loss_mask.sum()
+        per_row = self.loss_mask.sum(1)
+        return torch.zeros(self.num_groups, dtype=per_row.dtype, device=per_row.device).index_add_(
+            0, self.row_group, per_row)
 
     def _map(self, fn: Callable[[Tensor], Tensor], rows: Optional[Tensor] = None) -> "Batch":
         """Apply `fn` to every tensor field; `rows` (an index tensor) also selects from list fields."""
@@ -64,7 +75,8 @@ class Batch:
 
     def micro_batches(self, size: int) -> list["Batch"]:
         """Micro-batches of at most `size` rows, rows grouped by length and trimmed of all-padding
-        columns. The loss is a sum over rows divided by a global normaliser, so the grouping changes
+        columns (dim 1 of every tensor with 2+ dims is the token axis). The loss is a sum over rows
+        divided by a global normaliser, so the grouping changes
         no result, only how much padding is computed (rows with a privileged reference in the prompt
         are much longer than the rest)."""
         lengths = self.attention_mask.sum(1).cpu()  # (B,)
@@ -74,7 +86,7 @@ class Batch:
             rows = order[start : start + size]
             width = int(lengths[rows].max())
             idx = rows.to(self.input_ids.device)
-            out.append(self._map(lambda t: t[idx][:, :width] if t.dim() == 2 else t[idx], rows))
+            out.append(self._map(lambda t: t[idx][:, :width] if t.dim() >= 2 else t[idx], rows))
         return out
 
 

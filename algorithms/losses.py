@@ -5,8 +5,12 @@ the predicted token, so `token_logprobs(...)[b, t] = log p(x_t | x_<t)` and colu
 """
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
@@ -40,3 +44,215 @@ def logprob_gap(trainer_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor
     mask = mask.to(trainer_logprobs.dtype)
     diff = (trainer_logprobs.detach().float() - rollout_logprobs.float()).abs()
     return masked_sum(diff, mask) / mask.sum().clamp(min=1)
+
+
+# --- self-distillation (OPSD, MASS, TESD) -------------------------------------------------------
+# Distributions below are log-probabilities (..., V) already divided by the sampling temperature and
+# log-softmaxed; divergences are summed over the vocabulary and returned per token (...,).
+
+
+def kl(logp: Tensor, logq: Tensor) -> Tensor:
+    """KL(p || q) summed over the last dim. Example: p = [1/2, 1/2], q = [1/4, 3/4] ->
+    0.5 ln 2 + 0.5 ln(2/3) = 0.1438."""
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
+def generalized_jsd(student_logp: Tensor, teacher_logp: Tensor, beta: float) -> Tensor:
+    """Generalized JSD with mixture M = beta p_T + (1 - beta) p_S:
+    `beta KL(p_T || M) + (1 - beta) KL(p_S || M)`; beta = 0 is forward KL(p_T || p_S), beta = 1 reverse
+    KL(p_S || p_T) (the two limits are special-cased, as in the GKD paper's Eq. 1 and TRL's GKD loss).
+
+    student_logp, teacher_logp: (..., V) -> (...,).
+    """
+    if beta == 0.0:
+        return kl(teacher_logp, student_logp)
+    if beta == 1.0:
+        return kl(student_logp, teacher_logp)
+    mix = torch.logsumexp(torch.stack([student_logp + math.log1p(-beta), teacher_logp + math.log(beta)]), dim=0)
+    return beta * kl(teacher_logp, mix) + (1.0 - beta) * kl(student_logp, mix)
+
+
+def aggregate_views(view_logp: Tensor, mode: str = "mean") -> Tensor:
+    """One teacher distribution from K view-conditioned teachers. view_logp (K, ..., V) -> (..., V).
+
+    mean:      log((1/K) sum_k p_k) -- a Monte-Carlo estimate of the marginal over reference realisations.
+    geometric: log_softmax((1/K) sum_k log p_k) -- the normalised geometric mean.
+    """
+    if mode == "mean":
+        return torch.logsumexp(view_logp, dim=0) - math.log(view_logp.shape[0])
+    if mode == "geometric":
+        return torch.log_softmax(view_logp.mean(0), dim=-1)
+    raise ValueError(f"unknown view aggregation {mode!r}; expected 'mean' or 'geometric'")
+
+
+def view_disagreement(view_logp: Tensor) -> Tensor:
+    """Mean pairwise JSD (beta 1/2) between K views, per token. (K, ..., V) -> (...,); 0 when K = 1."""
+    k = view_logp.shape[0]
+    if k < 2:
+        return view_logp.new_zeros(view_logp.shape[1:-1])
+    pairs = [generalized_jsd(view_logp[i], view_logp[j], 0.5) for i in range(k) for j in range(i + 1, k)]
+    return torch.stack(pairs).mean(0)
+
+
+def correction_mass(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
+    """Teacher probability mass the student under-weights: sum_v max(p_T(v) - p_S(v), 0) (the total
+    variation distance), per token. (..., V) -> (...,)."""
+    return (teacher_logp.exp() - student_logp.exp()).clamp(min=0).sum(-1)
+
+
+def teacher_top_k(student_logp: Tensor, teacher_logp: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Both distributions restricted to the teacher's top-k tokens and renormalised there. (..., V) -> (..., k)."""
+    idx = teacher_logp.topk(k, dim=-1).indices
+    return (torch.log_softmax(student_logp.gather(-1, idx), dim=-1),
+            torch.log_softmax(teacher_logp.gather(-1, idx), dim=-1))
+
+
+def sampled_token_divergence(student_token_logp: Tensor, teacher_token_logp: Tensor) -> Tensor:
+    """Sampled-token form of the distillation signal: `-A_t log p_S(y_t)` with the detached advantage
+    `A_t = log p_T(y_t) - log p_S(y_t)` (a policy gradient on the per-token reverse-KL reward)."""
+    advantage = (teacher_token_logp - student_token_logp).detach()
+    return -advantage * student_token_logp
+
+
+def weighted_token_loss(per_token: Tensor, weights: Tensor, normaliser: Tensor) -> Tensor:
+    """sum_t w_t * loss_t / normaliser; per_token, weights (N,)."""
+    return (per_token * weights).sum() / normaliser
+
+
+# --- group-relative policy gradient (TESD's teacher-oriented term; GRPO) -------------------------
+
+
+def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-4, scale: str = "group") -> Tensor:
+    """`A = (r - mean_g) / (std_g + eps)` per group of `group_size` consecutive rewards (std unbiased);
+    scale "none" skips the division (Dr. GRPO). A group of one gets A = 0.
+    Example: rewards [1, 0, 0, 1], group 2 -> mean 0.5, std 0.7071 -> A = +-0.5/0.7072 = +-0.7070."""
+    g = rewards.view(-1, group_size).float()
+    centred = g - g.mean(1, keepdim=True)
+    if group_size == 1:
+        return torch.zeros_like(rewards, dtype=torch.float32)
+    if scale == "group":
+        centred = centred / (g.std(1, keepdim=True) + eps)
+    elif scale != "none":
+        raise ValueError(f"unknown advantage scale {scale!r}; expected 'group' or 'none'")
+    return centred.view(-1)
+
+
+def clipped_policy_gradient(logp: Tensor, old_logp: Tensor, advantages: Tensor, eps_low: float = 0.2,
+                            eps_high: float = 0.2) -> Tensor:
+    """Per-token PPO-clip loss `-min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)`, rho = exp(logp - old).
+    logp, old_logp (B, T); advantages (B,) or (B, T) -> (B, T). Clipped tokens get no gradient."""
+    adv = advantages if advantages.dim() == logp.dim() else advantages.unsqueeze(-1)
+    ratio = torch.exp(logp - old_logp)
+    return -torch.minimum(ratio * adv, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)
+
+
+# --- token-chunked self-distillation over the output head -----------------------------------------
+# With a 151k vocabulary and long completions, [B, T, V] fp32 logits for the student plus K teacher
+# views do not fit in memory. These functions take final hidden states and the output-head weight,
+# and build logits `CHUNK` tokens at a time; the student chunk is recomputed in backward
+# (activation checkpointing), so no more than one chunk of logits is ever alive.
+
+Head = tuple[Tensor, Optional[Tensor]]  # output-head (weight (V, H), bias (V,) or None)
+
+
+def head_logp(hidden: Tensor, head: Optional[Head], temperature: float) -> Tensor:
+    """log_softmax(head(hidden) / T) in fp32. hidden (..., H) -> (..., V). With head None, `hidden`
+    already holds logits (the fallback when the head weight is not directly usable)."""
+    logits = hidden if head is None else torch.nn.functional.linear(hidden, head[0], head[1])
+    return torch.log_softmax(logits.float() / temperature, dim=-1)
+
+
+def _distill_chunk(student_in: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], teacher_hidden: Tensor,
+                   t_weight: Tensor, t_bias: Optional[Tensor], targets: Tensor, beta: float, temperature: float,
+                   aggregate: str, top_k: int, form: str) -> tuple[Tensor, Tensor]:
+    student_logp = head_logp(student_in, None if weight is None else (weight, bias), temperature)  # (n, V)
+    with torch.no_grad():
+        views = head_logp(teacher_hidden.transpose(0, 1), (t_weight, t_bias), temperature)  # (K, n, V)
+        teacher_logp = aggregate_views(views, aggregate)  # (n, V)
+    token_logp = student_logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (n,)
+    if form == "sampled":
+        teacher_token = teacher_logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return sampled_token_divergence(token_logp, teacher_token), token_logp
+    if top_k > 0:
+        student_logp, teacher_logp = teacher_top_k(student_logp, teacher_logp, top_k)
+    return generalized_jsd(student_logp, teacher_logp, beta), token_logp
+
+
+def chunked_self_distill(student_in: Tensor, student_head: Optional[Head], teacher_hidden: Tensor,
+                         teacher_head: Head, targets: Tensor, *, beta: float = 0.5, temperature: float = 1.0,
+                         aggregate: str = "mean", top_k: int = 0, form: str = "full",
+                         chunk: int = 512) -> tuple[Tensor, Tensor]:
+    """Per-token divergence between the student and the (aggregated) teacher, chunked over tokens.
+
+    student_in (N, H) final hidden states predicting `targets` (N,) -- or (N, V) logits with
+    student_head None; teacher_hidden (N, K, H) from K teacher views (no grad); teacher_head its
+    output head. form "full": generalized JSD(beta) over the vocabulary (or the teacher's top-k
+    renormalised, top_k > 0); "sampled": the sampled-token form. Returns (divergence (N,), student
+    log-prob of each target (N,)); both carry the student's gradient.
+    """
+    assert teacher_hidden.dim() == 3 and teacher_hidden.shape[0] == student_in.shape[0] == targets.shape[0]
+    if form not in ("full", "sampled"):
+        raise ValueError(f"unknown divergence form {form!r}; expected 'full' or 'sampled'")
+    weight, bias = student_head if student_head is not None else (None, None)
+    t_weight, t_bias = (t.detach() if t is not None else None for t in teacher_head)
+    divs, logps = [], []
+    for start in range(0, targets.shape[0], chunk):
+        sl = slice(start, start + chunk)
+        args = (student_in[sl], weight, bias, teacher_hidden[sl], t_weight, t_bias, targets[sl],
+                beta, temperature, aggregate, top_k, form)
+        if student_in.requires_grad or (weight is not None and weight.requires_grad):
+            div, logp = checkpoint(_distill_chunk, *args, use_reentrant=False)
+        else:
+            div, logp = _distill_chunk(*args)
+        divs.append(div)
+        logps.append(logp)
+    if not divs:
+        empty = student_in.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat(divs), torch.cat(logps)
+
+
+@torch.no_grad()
+def self_distill_diagnostics(student_in: Tensor, student_head: Optional[Head], teacher_hidden: Tensor,
+                             teacher_head: Head, *, temperature: float = 1.0, aggregate: str = "mean",
+                             chunk: int = 512) -> dict[str, Tensor]:
+    """No-grad per-token statistics of K teacher views against the student, chunked over tokens.
+
+    Returns (N,) tensors `disagreement` (mean pairwise JSD of the views), `correction` (teacher mass
+    the student under-weights), `divergence` (JSD(1/2) student vs aggregate), and (K, N)
+    `view_shift` (JSD(1/2) of each view against the aggregate: how much that view's masking moved it).
+    """
+    parts: dict[str, list[Tensor]] = {"disagreement": [], "correction": [], "divergence": [], "view_shift": []}
+    for start in range(0, teacher_hidden.shape[0], chunk):
+        sl = slice(start, start + chunk)
+        student_logp = head_logp(student_in[sl], student_head, temperature)  # (n, V)
+        views = head_logp(teacher_hidden[sl].transpose(0, 1), teacher_head, temperature)  # (K, n, V)
+        teacher_logp = aggregate_views(views, aggregate)
+        parts["disagreement"].append(view_disagreement(views))
+        parts["correction"].append(correction_mass(student_logp, teacher_logp))
+        parts["divergence"].append(generalized_jsd(student_logp, teacher_logp, 0.5))
+        parts["view_shift"].append(generalized_jsd(views, teacher_logp.unsqueeze(0).expand_as(views), 0.5))
+    k = teacher_hidden.shape[1]
+    if not parts["disagreement"]:
+        z = teacher_hidden.new_zeros(0, dtype=torch.float32)
+        return {"disagreement": z, "correction": z, "divergence": z, "view_shift": z.new_zeros(k, 0)}
+    return {name: torch.cat(v, dim=-1) for name, v in parts.items()}
+
+
+def _token_logp_chunk(features: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], targets: Tensor,
+                      temperature: float) -> Tensor:
+    logp = head_logp(features, None if weight is None else (weight, bias), temperature)  # (n, V)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def chunked_token_logprobs(features: Tensor, head: Optional[Head], targets: Tensor, temperature: float = 1.0,
+                           chunk: int = 512) -> Tensor:
+    """log_softmax(head(features) / T)[target] per token, chunked (and checkpointed under grad) so
+    only one chunk of logits is alive. features (N, H) -- or (N, V) logits with head None -> (N,)."""
+    weight, bias = head if head is not None else (None, None)
+    grad = features.requires_grad or (weight is not None and weight.requires_grad)
+    parts = []
+    for start in range(0, targets.shape[0], chunk):
+        args = (features[start: start + chunk], weight, bias, targets[start: start + chunk], temperature)
+        parts.append(checkpoint(_token_logp_chunk, *args, use_reentrant=False) if grad else _token_logp_chunk(*args))
+    return torch.cat(parts) if parts else features.new_zeros(0, dtype=torch.float32)

@@ -58,7 +58,7 @@ class DataConfig:
     test_split: str = "test"
     test_fraction: float = 0.0
     question_field: str = "question"
-    solution_field: str = "solution"
+    solution_field: Optional[str] = "solution"
     answer_field: str = "answer"
     on_bad_row: str = "error"  # error | skip
     max_examples: Optional[int] = None
@@ -219,6 +219,14 @@ def validate(cfg: TrainConfig) -> None:
     if t.resume not in ("auto", "never") and not os.path.isdir(os.path.expanduser(t.resume)):
         raise ConfigError(f"trainer.resume={t.resume}: no such checkpoint directory")
     _validate_model_path(cfg.model)
+    if hasattr(cfg.algo, "validate"):
+        try:
+            cfg.algo.validate()
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    if getattr(cfg.algo, "needs_reference", False) and cfg.data.name == "text" and not cfg.data.solution_field:
+        raise ConfigError(f"algo {cfg.algo.name} distils from reference solutions, but data.solution_field is "
+                          "empty: set it to the field holding worked solutions")
     if cfg.model.name == "hf" and cfg.model.path is None:
         raise ConfigError("model=hf needs model.path=DIR (a local model directory, or a hub id when online)")
     if cfg.data.name == "text" and not cfg.data.path:

@@ -102,7 +102,7 @@ def train_step(s: Session, batch: Batch) -> dict:
     Returns the step's train record (losses and metrics averaged over ranks)."""
     world, backend = s.world, s.backend
     micros = batch.micro_batches(s.cfg.trainer.micro_batch_size)
-    global_targets = world.all_reduce_sum(batch.num_targets().double())
+    global_targets = world.all_reduce_sum(batch.num_targets().double())  # scalar, or (G,) per loss group
     normaliser = (global_targets / world.size).clamp(min=1).float()  # backends average grads over ranks
     loss_sum, metric_sums, gaps = torch.zeros(()), {}, []
     for i, micro in enumerate(micros):
@@ -116,6 +116,7 @@ def train_step(s: Session, batch: Batch) -> dict:
         if micro.rollout_logprobs is not None and out.token_logprobs is not None:
             gaps.append(logprob_gap(out.token_logprobs, micro.rollout_logprobs, micro.loss_mask).cpu())
     grad_norm = backend.step(s.cfg.trainer.max_grad_norm)
+    metric_sums.update({k: v.detach().float().cpu() for k, v in batch.metrics.items()})
     if gaps:  # the rollout-vs-trainer log-prob gap: must stay ~0 for on-policy algorithms
         metric_sums["rollout/logprob_gap"] = torch.stack(gaps).mean()
     local_tokens = batch.attention_mask.sum().cpu()

@@ -58,6 +58,8 @@ def build_session(cfg: TrainConfig, world: World, model=None, tokenizer=None, ta
     if model is None:
         model, tokenizer = load_model(cfg.model, world, cfg.seed)
     algo = build_algorithm(cfg.algo)
+    if hasattr(algo, "check_task"):  # e.g. self-distillation needs reference solutions: fail before any work
+        algo.check_task(task)
     model = algo.prepare_model(model).to(world.device)
     t = cfg.trainer
     per_rank = _per_rank_batch(t.batch_size, world.size)

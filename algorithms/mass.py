@@ -1,0 +1,284 @@
+"""MASS: Multi-Mask Selective Self-Distillation -- OPSD whose teacher sees K masked views of the
+reference, aggregated, with only reliable token corrections transferred.
+
+Paper: Shen, Hou, Bi et al., "Multi-Mask Selective Self-Distillation" (no public code; the abstract
+is in ../shared/seeds/000_*.txt). Per step, on top of OPSD (algorithms/opsd.py):
+1. Split each reference into spans (`span_unit`: the task's solution steps, sentences, or windows of
+   `span_tokens` tokens) and build `num_views` views, each masking round(mask_ratio x spans) spans
+   with the task's mask token. The K teacher passes run batched.
+2. The teacher distribution per completion token aggregates the K views: mean of probabilities (a
+   Monte-Carlo estimate of the marginal over reference realisations; default) or `geometric`.
+3. Selective transfer: token weight 1 only where the views agree (mean pairwise JSD across views at
+   or below the batch's `gate_agreement_quantile`, or below `gate_agreement_threshold` when set) AND
+   the teacher corrects the student (teacher mass the student under-weights >= `gate_margin`);
+   0 elsewhere. The kept fraction is logged as mass/kept_fraction.
+4. Adaptive masking: each span's influence is how far masking it moved the teacher -- the JSD(1/2)
+   between a view and the aggregate, averaged over the completion and shared among the spans that view
+   masked -- estimated from the views already computed (no extra passes). Masks are drawn with
+   probability `(1 - influence_mix) x uniform + influence_mix x softmax(influence / (temperature x
+   mean influence))`.
+5. Loss: the OPSD divergence between the student and the aggregated teacher, times the gate.
+With num_views=1, mask_ratio=0 and gate=false it is exactly OPSD (tests/algorithms/test_mass.py).
+
+Choices that are ours (the abstract does not fix them): the gate statistics are computed with no
+grad in make_batch on the rank's whole batch; mask count = round(ratio x spans), at least 1 and at
+most spans - 1 when 0 < ratio < 1; influence scores are kept per example uid (an EMA, for data seen
+again) with a prior per relative span position (8 buckets, an EMA over all examples) for unseen
+questions; the softmax is scale-free (influence divided by its mean over the row's spans).
+
+    torchrun --nproc_per_node=2 train.py +algo=mass
+    python train.py +algo=mass algo.num_views=8 algo.mask_ratio=0.5 algo.aggregate=geometric
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+from algorithms import losses
+from algorithms.base import Batch, RolloutContext, StepOutput
+from algorithms.opsd import (
+    OPSDConfig, SelfTeacher, check_self_distill_config, detached_head, distill_loss, encode, export_model,
+    final_hidden, prepare_model, require_references, rollout_batch, rollout_metrics, sample, teacher_hidden,
+)
+from trainer.data import mask_spans
+from trainer.data.base import split_sentences
+
+SPAN_UNITS = ("step", "sentence", "tokens")
+MAX_TRACKED_EXAMPLES = 100_000  # influence scores kept per uid (oldest dropped first)
+
+
+@dataclass
+class MASSConfig(OPSDConfig):
+    name: str = "mass"
+    num_views: int = 4  # K masked views of the reference per question
+    mask_ratio: float = 0.3  # share of spans masked in each view
+    span_unit: str = "step"  # step (the task's solution steps) | sentence | tokens
+    span_tokens: int = 16  # window size for span_unit=tokens
+    aggregate: str = "mean"  # mean (of probabilities) | geometric
+    gate: bool = True
+    gate_agreement_quantile: float = 0.8  # keep tokens whose view disagreement is at or below this quantile
+    gate_agreement_threshold: float = 0.0  # > 0: an absolute disagreement threshold instead of the quantile
+    gate_margin: float = 0.02  # keep tokens where the teacher corrects at least this much probability mass
+    adaptive_masking: bool = True
+    influence_mix: float = 0.5  # weight of softmax(influence) against uniform when drawing masks
+    influence_temperature: float = 1.0
+    influence_decay: float = 0.9  # EMA decay of the influence scores
+    position_buckets: int = 8  # relative-position prior for questions not seen before
+
+    def validate(self) -> None:
+        check_self_distill_config(self)
+        if self.num_views < 1:
+            raise ValueError(f"algo.num_views={self.num_views} must be >= 1")
+        if not 0.0 <= self.mask_ratio <= 1.0:
+            raise ValueError(f"algo.mask_ratio={self.mask_ratio} must be in [0, 1]")
+        if self.span_unit not in SPAN_UNITS:
+            raise ValueError(f"algo.span_unit={self.span_unit} is not one of {', '.join(SPAN_UNITS)}")
+        if self.aggregate not in ("mean", "geometric"):
+            raise ValueError(f"algo.aggregate={self.aggregate} is not one of mean, geometric")
+        if not 0.0 < self.gate_agreement_quantile <= 1.0:
+            raise ValueError(f"algo.gate_agreement_quantile={self.gate_agreement_quantile} must be in (0, 1]")
+        if not 0.0 <= self.influence_mix <= 1.0 or self.influence_temperature <= 0:
+            raise ValueError("algo.influence_mix must be in [0, 1] and algo.influence_temperature > 0")
+        if self.span_tokens < 1 or self.position_buckets < 1:
+            raise ValueError("algo.span_tokens and algo.position_buckets must be >= 1")
+
+
+def split_spans(reference: str, task: Any, tokenizer: Any, unit: str, span_tokens: int) -> list[str]:
+    """Spans that join back to `reference`."""
+    if unit == "step":
+        return task.solution_spans(reference)
+    if unit == "sentence":
+        return split_sentences(reference)
+    ids = encode(tokenizer, reference)
+    return [tokenizer.decode(ids[i: i + span_tokens]) for i in range(0, len(ids), span_tokens)]
+
+
+def masked_count(n_spans: int, ratio: float) -> int:
+    """round(ratio x n), at least 1 and at most n - 1 for 0 < ratio < 1 (a view always hides
+    something and shows something); 0 for ratio 0, n for ratio 1."""
+    if ratio <= 0 or n_spans == 0:
+        return 0
+    if ratio >= 1:
+        return n_spans
+    return min(max(round(ratio * n_spans), 1), n_spans - 1)
+
+
+def draw_mask(rng: random.Random, probs: Sequence[float], count: int) -> list[bool]:
+    """`count` distinct spans drawn without replacement with probabilities `probs`."""
+    chosen: set[int] = set()
+    weights = list(probs)
+    for _ in range(count):
+        total = sum(weights)
+        pick, acc, u = len(weights) - 1, 0.0, rng.random() * total
+        for j, w in enumerate(weights):
+            acc += w
+            if u < acc:
+                pick = j
+                break
+        chosen.add(pick)
+        weights[pick] = 0.0
+    return [j in chosen for j in range(len(probs))]
+
+
+class InfluenceTracker:
+    """Per-span influence scores: per example uid, with a relative-position prior for new questions."""
+
+    def __init__(self, decay: float, buckets: int):
+        self.decay, self.buckets = decay, buckets
+        self.by_uid: OrderedDict[str, list[float]] = OrderedDict()
+        self.prior = [0.0] * buckets
+        self.prior_seen = [False] * buckets
+
+    def bucket(self, j: int, n: int) -> int:
+        return min(int(j / n * self.buckets), self.buckets - 1)
+
+    def scores(self, uid: str, n: int) -> Optional[list[float]]:
+        known = self.by_uid.get(uid)
+        if known is not None and len(known) == n:
+            return known
+        prior = [self.prior[self.bucket(j, n)] if self.prior_seen[self.bucket(j, n)] else None for j in range(n)]
+        return None if any(p is None for p in prior) else prior
+
+    def update(self, uid: str, estimate: list[Optional[float]]) -> None:
+        n = len(estimate)
+        old = self.by_uid.pop(uid, None)
+        new = []
+        for j, e in enumerate(estimate):
+            prev = old[j] if old is not None and len(old) == n else None
+            new.append(prev if e is None else e if prev is None else self.decay * prev + (1 - self.decay) * e)
+            if e is not None:
+                b = self.bucket(j, n)
+                self.prior[b] = e if not self.prior_seen[b] else self.decay * self.prior[b] + (1 - self.decay) * e
+                self.prior_seen[b] = True
+        self.by_uid[uid] = new
+        while len(self.by_uid) > MAX_TRACKED_EXAMPLES:
+            self.by_uid.popitem(last=False)
+
+    def state_dict(self) -> dict:
+        return {"by_uid": list(self.by_uid.items()), "prior": self.prior, "prior_seen": self.prior_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.by_uid = OrderedDict(state["by_uid"])
+        self.prior, self.prior_seen = list(state["prior"]), list(state["prior_seen"])
+
+
+def mask_probs(scores: Optional[list[float]], n: int, mix: float, temperature: float) -> list[float]:
+    """(1 - mix) uniform + mix softmax(score / (temperature x mean score)); uniform without scores."""
+    if scores is None or mix == 0 or n == 0:
+        return [1.0 / max(n, 1)] * n
+    scale = temperature * max(sum(scores) / n, 1e-8)
+    top = max(scores)
+    exp = [math.exp((s - top) / scale) for s in scores]
+    z = sum(exp)
+    return [(1 - mix) / n + mix * e / z for e in exp]
+
+
+def span_influence(masks: list[list[bool]], view_shift: list[float]) -> list[Optional[float]]:
+    """Per span: mean over the views that masked it of (view's shift / spans it masked); None if no view did."""
+    n = len(masks[0]) if masks else 0
+    sums, counts = [0.0] * n, [0] * n
+    for mask, shift in zip(masks, view_shift):
+        hidden = sum(mask)
+        for j, m in enumerate(mask):
+            if m:
+                sums[j] += shift / hidden
+                counts[j] += 1
+    return [s / c if c else None for s, c in zip(sums, counts)]
+
+
+class MASS:
+    name = "mass"
+
+    def __init__(self, cfg: MASSConfig):
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.teacher = SelfTeacher(cfg.teacher, cfg.ema_decay)
+        self.influence = InfluenceTracker(cfg.influence_decay, cfg.position_buckets)
+        self.teacher_head: Optional[losses.Head] = None
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        return prepare_model(model, self.cfg)
+
+    def check_task(self, task: Any) -> None:
+        require_references(task.train_examples(), self.name)
+
+    def views(self, ex: Any, task: Any, tokenizer: Any) -> tuple[list[str], list[list[bool]], float]:
+        """K masked references for one example, their masks, and how focused the mask distribution is
+        (max probability x spans: 1 = uniform)."""
+        c = self.cfg
+        spans = split_spans(ex.solution, task, tokenizer, c.span_unit, c.span_tokens)
+        count = masked_count(len(spans), c.mask_ratio)
+        scores = self.influence.scores(ex.uid, len(spans)) if c.adaptive_masking else None
+        probs = mask_probs(scores, len(spans), c.influence_mix, c.influence_temperature)
+        masks = [draw_mask(self.rng, probs, count) for _ in range(c.num_views)]
+        return [mask_spans(spans, m, task.mask_token) for m in masks], masks, max(probs, default=1.0) * len(spans)
+
+    def make_batch(self, examples: Sequence[Any], ctx: RolloutContext) -> Batch:
+        c, tok, task = self.cfg, ctx.tokenizer, ctx.task
+        prompts = [encode(tok, task.prompt(ex)) for ex in examples]
+        completions = sample(ctx, prompts, c.temperature, c.top_p)
+        batch = rollout_batch(prompts, completions, tok.pad_token_id, ctx.device, [ex.uid for ex in examples])
+        references, masks, focus = zip(*(self.views(ex, task, tok) for ex in examples))
+        views = [[encode(tok, task.teacher_prompt(ex, r)) for r in refs] for ex, refs in zip(examples, references)]
+        with self.teacher.weights(ctx.policy) as teacher:
+            batch.teacher_hidden = teacher_hidden(teacher, views, [x.tokens for x in completions],
+                                                  [len(p) for p in prompts], batch.input_ids.shape[1],
+                                                  c.teacher_batch_size, ctx.device)  # (B, T, K, H)
+            self.teacher_head = detached_head(teacher)
+        batch.metrics, _ = rollout_metrics(task, tok, examples, completions, "rollout")
+        if c.gate or c.adaptive_masking:
+            self._gate_and_influence(batch, examples, list(masks), ctx)
+        batch.metrics["mass/mask_focus"] = torch.tensor(sum(focus) / len(focus))
+        return batch
+
+    @torch.no_grad()
+    def _gate_and_influence(self, batch: Batch, examples: Sequence[Any], masks: list[list[list[bool]]],
+                            ctx: RolloutContext) -> None:
+        """Token gate (into batch.token_weights) and influence updates, from one no-grad student pass."""
+        c = self.cfg
+        sel = batch.loss_mask.bool()  # (B, T)
+        hidden = final_hidden(ctx.policy, batch.input_ids, batch.attention_mask)
+        student = torch.nn.functional.pad(hidden[:, :-1], (0, 0, 1, 0))[sel]  # (N, H)
+        stats = losses.self_distill_diagnostics(
+            student, detached_head(ctx.policy), batch.teacher_hidden[sel], self.teacher_head,
+            temperature=c.temperature, aggregate=c.aggregate, chunk=c.loss_chunk_tokens)
+        n = max(int(sel.sum()), 1)
+        batch.metrics.update({"mass/view_disagreement": stats["disagreement"].sum() / n,
+                              "mass/correction": stats["correction"].sum() / n,
+                              "mass/teacher_student_jsd": stats["divergence"].sum() / n})
+        if c.gate and stats["disagreement"].numel():
+            agree = stats["disagreement"]
+            limit = c.gate_agreement_threshold or torch.quantile(agree, c.gate_agreement_quantile)
+            keep = (agree <= limit) & (stats["correction"] >= c.gate_margin)
+            weights = torch.zeros(sel.shape, dtype=torch.float32, device=sel.device)
+            weights[sel] = keep.float()
+            batch.token_weights = weights
+            batch.metrics["mass/kept_fraction"] = keep.float().mean()
+        if c.adaptive_masking:
+            row_of_token = torch.arange(len(batch), device=sel.device).unsqueeze(1).expand_as(sel)[sel]  # (N,)
+            for b, ex in enumerate(examples):
+                mine = row_of_token == b
+                if mine.any():
+                    shift = stats["view_shift"][:, mine].mean(1).tolist()  # (K,)
+                    self.influence.update(ex.uid, span_influence(masks[b], shift))
+
+    def loss(self, model: nn.Module, micro: Batch, normaliser: torch.Tensor) -> StepOutput:
+        return distill_loss(model, micro, normaliser, self.cfg, self.teacher_head, prefix=self.name)
+
+    def export(self, model: nn.Module, tokenizer: Any, out_dir: str) -> None:
+        export_model(model, tokenizer, out_dir, self.name)
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.getstate(), "teacher": self.teacher.state_dict(),
+                "influence": self.influence.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.setstate(state["rng"])
+        self.teacher.load_state_dict(state["teacher"])
+        self.influence.load_state_dict(state["influence"])
