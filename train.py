@@ -41,6 +41,7 @@ def run(cfg) -> int:
             final = export_final(session)
             if world.is_main:
                 print(f"done: {session.step} steps; artifact in {final}", flush=True)
+                print(accuracy_summary(session.evals), flush=True)
         elif world.is_main:
             print(f"stopped by signal at step {session.step}; checkpoint saved in {cfg.output_dir}/checkpoints "
                   "(rerun the same command to resume)", flush=True)
@@ -53,6 +54,16 @@ def run(cfg) -> int:
     if world.distributed:
         shutdown(world, code)  # does not return: see shutdown() for why
     return code
+
+
+def accuracy_summary(evals: list[dict]) -> str:
+    """'held-out accuracy: before A (teacher with reference T) -> after B' from this run's evals."""
+    if not evals:
+        return "held-out accuracy: no evaluation ran"
+    first, last = evals[0], evals[-1]
+    teacher = f" (teacher prompt with reference {first['teacher_accuracy']:.3f})" if "teacher_accuracy" in first else ""
+    before = f"step {first['step']} {first['accuracy']:.3f}{teacher}"
+    return f"held-out accuracy (n={last['n']}): {before} -> step {last['step']} {last['accuracy']:.3f}"
 
 
 if __name__ == "__main__":

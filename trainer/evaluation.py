@@ -1,7 +1,7 @@
 """Held-out accuracy via the inference engine (greedy), sharded over data-parallel ranks."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -12,11 +12,14 @@ EVAL_BATCH = 64
 
 
 def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any], world: World,
-             max_new_tokens: int) -> dict[str, float]:
+             max_new_tokens: int, prompt: Optional[Callable[[Any], str]] = None) -> dict[str, float]:
     """Greedy-decode this rank's share of `examples`, verify, and reduce counts over ranks.
 
+    `prompt` maps an example to its prompt text (default: the task's student prompt; the
+    self-distillation algorithms also measure the teacher prompt, which carries the reference).
     Returns accuracy (final answer right), step_accuracy (share of checkable steps right) and n.
     """
+    prompt = prompt or task.prompt
     mine = list(examples)[world.rank :: world.size]
     engine = Engine(model)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
@@ -24,7 +27,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequen
     correct = steps_ok = steps_total = 0
     for start in range(0, len(mine), EVAL_BATCH):
         chunk = mine[start : start + EVAL_BATCH]
-        prompts = [tokenizer(task.prompt(ex), add_special_tokens=False).input_ids for ex in chunk]
+        prompts = [tokenizer(prompt(ex), add_special_tokens=False).input_ids for ex in chunk]
         for ex, out in zip(chunk, engine.generate(prompts, params)):
             result = task.verify(ex, tokenizer.decode(out.tokens, skip_special_tokens=True))
             correct += int(result.correct)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -40,6 +40,7 @@ class Session:
     tracker: Any
     generator: torch.Generator  # rollout sampling; checkpointed
     step: int = 0
+    evals: list = field(default_factory=list)  # eval records of this process's run, in order
 
 
 class GracefulStop:
@@ -69,6 +70,8 @@ def fit(s: Session) -> str:
     """Train to trainer.max_steps (or a stop signal). Returns "done" or "stopped"."""
     t = s.cfg.trainer
     stop = GracefulStop()
+    if s.step == 0:  # held-out accuracy before training (and, for self-distillation, the teacher's)
+        run_eval(s)
     try:
         while s.step < t.max_steps:
             s.step += 1
@@ -151,10 +154,20 @@ def _autocast(device: torch.device):
 
 
 def run_eval(s: Session) -> dict:
+    """Greedy held-out accuracy of the student prompt; for algorithms that distil from a reference,
+    also of the teacher prompt (question + reference) as `teacher_accuracy` -- self-distillation only
+    helps when that is well above the student's."""
     t = s.cfg.trainer
     examples = list(s.task.test_examples())[: t.eval_examples]
-    result = evaluate(s.backend.full_model(), s.tokenizer, s.task, examples, s.world, t.eval_max_new_tokens)
-    s.tracker.log({"step": s.step, "split": "eval", **result})
+    model = s.backend.full_model()
+    result = evaluate(model, s.tokenizer, s.task, examples, s.world, t.eval_max_new_tokens)
+    if getattr(s.cfg.algo, "needs_reference", False):
+        teacher = evaluate(model, s.tokenizer, s.task, examples, s.world, t.eval_max_new_tokens,
+                           prompt=lambda ex: s.task.teacher_prompt(ex, ex.solution))
+        result["teacher_accuracy"] = teacher["accuracy"]
+    record = {"step": s.step, "split": "eval", **result}
+    s.tracker.log(record)
+    s.evals.append(record)
     return result
 
 

@@ -1,0 +1,132 @@
+"""SFT-continued vs OPSD vs MASS vs TESD from the same warm-started tiny model, same budget.
+
+Every run starts from the embedded warm-started model (`model=tiny`) and trains `--steps` steps;
+the budget is steps x rollouts: OPSD and MASS sample `--batch` student rollouts per step, TESD
+samples the same number split as batch/(1+G) questions x (1 student + G teacher rollouts), and
+SFT-continued trains on `--batch` gold solutions per step. Each (setting, method, seed) is one
+`python train.py` process (one thread; `--workers` run side by side). Held-out accuracy is greedy on
+the setting's test split, before (step 0) and after training.
+
+    python benchmarks/self_distill.py                          # 2 settings x 4 methods x 3 seeds
+    python benchmarks/self_distill.py --methods opsd,mass --seeds 0 --steps 20
+
+Prints a table (accuracy mean +- std over seeds, tokens/s, wall time, diagnostics); last line JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SETTINGS = {
+    "arith": [],  # the embedded default: 2-digit operands, 2 chained operations
+    "arith-hard": ["data.digits=3", "data.steps=3"],
+}
+DIAGNOSTICS = ("rollout/reward", "mass/kept_fraction", "mass/view_disagreement", "mass/correction",
+               "tesd/reliability", "tesd/teacher_correct", "tesd/independence", "opsd/divergence", "mass/divergence",
+               "tesd/divergence")
+
+
+def overrides(method: str, setting: str, seed: int, args, out: str) -> list[str]:
+    batch = args.batch
+    extra = []
+    if method == "tesd":
+        g = args.teacher_rollouts
+        if args.batch % (1 + g):
+            raise SystemExit(f"--batch {args.batch} must be divisible by 1 + teacher_rollouts = {1 + g}")
+        batch = args.batch // (1 + g)
+        extra = [f"algo.teacher_rollouts={g}"]
+    return [f"+algo={method}", "model=tiny", *SETTINGS[setting], f"seed={seed}", f"output_dir={out}",
+            f"trainer.max_steps={args.steps}", f"trainer.batch_size={batch}",
+            f"trainer.micro_batch_size={min(batch, args.micro)}", f"trainer.lr={args.lr}",
+            f"trainer.warmup_steps={max(1, args.steps // 10)}", f"trainer.eval_every={args.steps}",
+            f"trainer.save_every={args.steps}", f"trainer.eval_examples={args.eval_examples}",
+            "trainer.resume=never", "logging.wandb=false", "logging.progress=false", *extra, *args.extra]
+
+
+def run_one(job) -> dict:
+    method, setting, seed, args, base = job
+    out = os.path.join(base, f"{setting}-{method}-{seed}")
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *overrides(method, setting, seed, args, out)],
+                          env=env, capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"{setting}/{method}/seed {seed} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    evals = [x for x in lines if x["split"] == "eval"]
+    train = [x for x in lines if x["split"] == "train"]
+    diag = {k: statistics.fmean(x[k] for x in train if k in x) for k in DIAGNOSTICS if any(k in x for x in train)}
+    result = {"method": method, "setting": setting, "seed": seed, "before": evals[0]["accuracy"],
+              "after": evals[-1]["accuracy"], "wall_s": wall,
+              "tokens_per_s": statistics.fmean(x["tokens_per_s"] for x in train), **diag}
+    if "teacher_accuracy" in evals[0]:
+        result["teacher_before"], result["teacher_after"] = evals[0]["teacher_accuracy"], evals[-1]["teacher_accuracy"]
+    print(f"  {setting:10s} {method:5s} seed {seed}: {result['before']:.3f} -> {result['after']:.3f}  "
+          f"({wall:.0f}s)", flush=True)
+    return result
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--methods", default="sft,opsd,mass,tesd")
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--batch", type=int, default=16, help="rollouts (or SFT examples) per step")
+    ap.add_argument("--micro", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--teacher-rollouts", type=int, default=3)
+    ap.add_argument("--eval-examples", type=int, default=200)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
+    ap.add_argument("--keep", default=None, help="directory for the runs (default: a temporary one)")
+    args = ap.parse_args()
+    methods, settings = args.methods.split(","), args.settings.split(",")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    base = args.keep or tempfile.mkdtemp(prefix="self_distill_")
+    # Build the cached warm-started model once before the parallel runs (they would wait on it anyway).
+    subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, %r); from trainer.config import ModelConfig;"
+                    "from trainer.distributed import World; from trainer.warm_start import tiny_model;"
+                    "tiny_model(ModelConfig(), World(), 0)" % ROOT], check=True, cwd=ROOT)
+    jobs = [(m, s, seed, args, base) for s in settings for seed in seeds for m in methods]
+    started = time.perf_counter()
+    with ThreadPoolExecutor(args.workers) as pool:
+        results = list(pool.map(run_one, jobs))
+    print(f"\n{len(jobs)} runs in {time.perf_counter() - started:.0f}s ({args.workers} side by side); "
+          f"{args.steps} steps x {args.batch} rollouts each; accuracy on {args.eval_examples} held-out questions\n")
+    print(f"{'setting':11s} {'method':6s} {'before':>7s} {'after (mean +- std)':>20s} {'tokens/s':>9s} {'wall s':>7s}  diagnostics")
+    table = []
+    for s in settings:
+        for m in methods:
+            rs = [r for r in results if r["setting"] == s and r["method"] == m]
+            after, std = mean_std([r["after"] for r in rs])
+            row = {"setting": s, "method": m, "before": statistics.fmean(r["before"] for r in rs),
+                   "after_mean": after, "after_std": std, "after_per_seed": [r["after"] for r in rs],
+                   "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in rs),
+                   "wall_s": statistics.fmean(r["wall_s"] for r in rs)}
+            for k in DIAGNOSTICS + ("teacher_before", "teacher_after"):
+                if all(k in r for r in rs):
+                    row[k] = statistics.fmean(r[k] for r in rs)
+            table.append(row)
+            diag = "  ".join(f"{k.split('/')[-1]}={row[k]:.3f}" for k in DIAGNOSTICS + ("teacher_before", "teacher_after")
+                             if k in row)
+            print(f"{s:11s} {m:6s} {row['before']:7.3f} {after:13.3f} +- {std:.3f} {row['tokens_per_s']:9.0f} "
+                  f"{row['wall_s']:7.0f}  {diag}")
+    print(json.dumps({"steps": args.steps, "rollouts_per_step": args.batch, "seeds": seeds, "table": table}))
+
+
+if __name__ == "__main__":
+    main()
