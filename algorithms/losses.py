@@ -95,9 +95,13 @@ def view_disagreement(view_logp: Tensor) -> Tensor:
 
 
 def correction_mass(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
-    """Teacher probability mass the student under-weights: sum_v max(p_T(v) - p_S(v), 0) (the total
-    variation distance), per token. (..., V) -> (...,)."""
-    return (teacher_logp.exp() - student_logp.exp()).clamp(min=0).sum(-1)
+    """How much the teacher corrects the student: the probability its top token has under the teacher
+    minus under the student, `p_T(v*) - p_S(v*)` with v* = argmax p_T, per token. Positive where the
+    student under-weights what the teacher prefers; zero or negative where they agree or where the
+    teacher is merely less sure than the student (a broad teacher would only add entropy there).
+    (..., V) -> (...,). Example: teacher [0.7, 0.3], student [0.4, 0.6] -> 0.7 - 0.4 = 0.3."""
+    top = teacher_logp.argmax(-1, keepdim=True)
+    return (teacher_logp.gather(-1, top).exp() - student_logp.gather(-1, top).exp()).squeeze(-1)
 
 
 def teacher_top_k(student_logp: Tensor, teacher_logp: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -153,6 +157,14 @@ def clipped_policy_gradient(logp: Tensor, old_logp: Tensor, advantages: Tensor, 
 # (activation checkpointing), so no more than one chunk of logits is ever alive.
 
 Head = tuple[Tensor, Optional[Tensor]]  # output-head (weight (V, H), bias (V,) or None)
+CHUNK_LOGIT_ELEMENTS = 2 ** 26  # fp32 logits per chunk over student + views (256 MiB) for auto chunking
+MIN_CHUNK, MAX_CHUNK = 16, 4096
+
+
+def auto_chunk(vocab: int, views: int) -> int:
+    """Tokens per chunk so one chunk's student + K view logits hold ~CHUNK_LOGIT_ELEMENTS values
+    (the divergence's intermediates are a small multiple of that). 151,936 x 5 -> 88 tokens."""
+    return max(MIN_CHUNK, min(MAX_CHUNK, CHUNK_LOGIT_ELEMENTS // (vocab * (views + 1))))
 
 
 def head_logp(hidden: Tensor, head: Optional[Head], temperature: float) -> Tensor:

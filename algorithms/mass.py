@@ -10,7 +10,8 @@ is in ../shared/seeds/000_*.txt). Per step, on top of OPSD (algorithms/opsd.py):
    Monte-Carlo estimate of the marginal over reference realisations; default) or `geometric`.
 3. Selective transfer: token weight 1 only where the views agree (mean pairwise JSD across views at
    or below the batch's `gate_agreement_quantile`, or below `gate_agreement_threshold` when set) AND
-   the teacher corrects the student (teacher mass the student under-weights >= `gate_margin`);
+   the teacher corrects the student (its top token's probability exceeds the student's by >=
+   `gate_margin`; a teacher merely broader than a confident student is no correction);
    0 elsewhere. The kept fraction is logged as mass/kept_fraction.
 4. Adaptive masking: each span's influence is how far masking it moved the teacher -- the JSD(1/2)
    between a view and the aggregate, averaged over the completion and shared among the spans that view
@@ -43,7 +44,7 @@ from torch import nn
 from algorithms import losses
 from algorithms.base import Batch, RolloutContext, StepOutput
 from algorithms.opsd import (
-    OPSDConfig, SelfTeacher, check_self_distill_config, detached_head, distill_loss, encode, export_model,
+    OPSDConfig, SelfTeacher, check_self_distill_config, chunk_size, detached_head, distill_loss, encode, export_model,
     final_hidden, prepare_model, require_references, rollout_batch, rollout_metrics, sample, teacher_hidden,
 )
 from trainer.data import mask_spans
@@ -247,7 +248,7 @@ class MASS:
         student = torch.nn.functional.pad(hidden[:, :-1], (0, 0, 1, 0))[sel]  # (N, H)
         stats = losses.self_distill_diagnostics(
             student, detached_head(ctx.policy), batch.teacher_hidden[sel], self.teacher_head,
-            temperature=c.temperature, aggregate=c.aggregate, chunk=c.loss_chunk_tokens)
+            temperature=c.temperature, aggregate=c.aggregate, chunk=chunk_size(c, self.teacher_head, batch))
         n = max(int(sel.sum()), 1)
         batch.metrics.update({"mass/view_disagreement": stats["disagreement"].sum() / n,
                               "mass/correction": stats["correction"].sum() / n,

@@ -52,7 +52,7 @@ class OPSDConfig:
     divergence: str = "full"  # full (JSD over the vocabulary) | sampled (sampled-token form)
     token_clip: float = 0.0  # > 0: per-token hard clip of the divergence (clipped tokens get no gradient)
     teacher_top_k: int = 0  # > 0: both distributions restricted to the teacher's top-k, renormalised
-    loss_chunk_tokens: int = 512  # tokens per logits chunk in the loss
+    loss_chunk_tokens: int = 0  # tokens per logits chunk in the loss; 0 = from the vocabulary size (~256 MiB of logits)
     teacher_batch_size: int = 32  # rows per no-grad teacher forward
     lora_rank: int = 0  # 0: full fine-tuning
     lora_alpha: float = 32.0
@@ -79,11 +79,10 @@ def check_self_distill_config(cfg: Any) -> None:
         raise ValueError(f"algo.top_p={cfg.top_p} must be in (0, 1]")
     if not 0.0 <= cfg.ema_decay < 1.0:
         raise ValueError(f"algo.ema_decay={cfg.ema_decay} must be in [0, 1)")
-    for key in ("loss_chunk_tokens", "teacher_batch_size"):
-        if getattr(cfg, key) <= 0:
-            raise ValueError(f"algo.{key}={getattr(cfg, key)} must be > 0")
-    if cfg.lora_rank < 0 or cfg.teacher_top_k < 0 or cfg.token_clip < 0:
-        raise ValueError("algo.lora_rank, algo.teacher_top_k and algo.token_clip must be >= 0")
+    if cfg.teacher_batch_size <= 0:
+        raise ValueError(f"algo.teacher_batch_size={cfg.teacher_batch_size} must be > 0")
+    if cfg.lora_rank < 0 or cfg.loss_chunk_tokens < 0 or cfg.teacher_top_k < 0 or cfg.token_clip < 0:
+        raise ValueError("algo.lora_rank, algo.loss_chunk_tokens, algo.teacher_top_k and algo.token_clip must be >= 0")
 
 
 # --- model plumbing -----------------------------------------------------------------------------
@@ -303,11 +302,17 @@ def distill_terms(feats: torch.Tensor, head: Optional[losses.Head], micro: Batch
     div, token_logp = losses.chunked_self_distill(
         feats[sel], head, micro.teacher_hidden[sel], teacher_head, micro.input_ids[sel], beta=cfg.beta,
         temperature=cfg.temperature, top_k=cfg.teacher_top_k, form=cfg.divergence,
-        aggregate=getattr(cfg, "aggregate", "mean"), chunk=cfg.loss_chunk_tokens)  # (N,), (N,)
+        aggregate=getattr(cfg, "aggregate", "mean"), chunk=chunk_size(cfg, teacher_head, micro))  # (N,), (N,)
     if cfg.token_clip > 0:
         div = div.clamp(max=cfg.token_clip)
     weights = torch.ones_like(div) if micro.token_weights is None else micro.token_weights[sel].to(div.dtype)
     return div, weights, token_logp
+
+
+def chunk_size(cfg: Any, head: losses.Head, batch: Batch) -> int:
+    """`loss_chunk_tokens`, or with 0 a size from the vocabulary and the number of teacher views."""
+    views = batch.teacher_hidden.shape[2] if batch.teacher_hidden is not None else 1
+    return cfg.loss_chunk_tokens or losses.auto_chunk(head[0].shape[0], views)
 
 
 def distill_loss(model: nn.Module, micro: Batch, normaliser: torch.Tensor, cfg: Any, teacher_head: losses.Head,

@@ -101,7 +101,9 @@ def mean_token_logprobs(model: nn.Module, prompts: list[list[int]], completions:
     hidden = final_hidden(model, batch.input_ids, batch.attention_mask)
     sel = batch.loss_mask.bool()
     shifted = torch.nn.functional.pad(hidden[:, :-1], (0, 0, 1, 0))
-    logp = losses.chunked_token_logprobs(shifted[sel], detached_head(model), batch.input_ids[sel], temperature, chunk)
+    head = detached_head(model)
+    chunk = chunk or losses.auto_chunk(head[0].shape[0], 0)
+    logp = losses.chunked_token_logprobs(shifted[sel], head, batch.input_ids[sel], temperature, chunk)
     per_row = scatter_tokens(logp, sel).sum(1) / sel.sum(1).clamp(min=1)
     return per_row.tolist()
 
@@ -160,7 +162,7 @@ class TESD:
         c, tok, task, g = self.cfg, ctx.tokenizer, ctx.task, self.cfg.teacher_rollouts
         completions = [o.tokens for o in outs]
         logp_plain = mean_token_logprobs(ctx.policy, [plain[i // g] for i in range(len(outs))], completions,
-                                         c.temperature, c.loss_chunk_tokens, ctx.device)
+                                         c.temperature, c.loss_chunk_tokens, ctx.device)  # 0: auto
         correct, indep = [], []
         for i, out in enumerate(outs):
             ex = examples[i // g]
@@ -184,8 +186,8 @@ class TESD:
         sel_s, sel_t = mask & ~is_teacher, mask & is_teacher
         div, weights, logp_s = distill_terms(feats, head, micro, sel_s, c, self.teacher_head)
         student_term = losses.weighted_token_loss(div, weights, normaliser[STUDENT])
-        logp_t = losses.chunked_token_logprobs(feats[sel_t], head, micro.input_ids[sel_t], c.temperature,
-                                               c.loss_chunk_tokens)  # (N_t,)
+        chunk = c.loss_chunk_tokens or losses.auto_chunk(self.teacher_head[0].shape[0], 0)
+        logp_t = losses.chunked_token_logprobs(feats[sel_t], head, micro.input_ids[sel_t], c.temperature, chunk)  # (N_t,)
         adv = micro.advantages.unsqueeze(1).expand_as(sel_t)[sel_t]  # (N_t,)
         pg = losses.clipped_policy_gradient(logp_t, logp_t.detach(), adv, c.clip_eps, c.clip_eps)
         teacher_term = pg.sum() / normaliser[TEACHER]

@@ -3,7 +3,7 @@
 A Qwen3-architecture model with a 151,936-token vocabulary (tiny hidden size, so it runs on CPU)
 scores one completion of `--tokens` tokens against K teacher views, forward and backward:
   chunked: the MASS/OPSD loss as trained (algorithms/opsd.distill_loss): final hidden states only,
-           student and teacher logits built `--chunk` tokens at a time, student chunk recomputed in backward;
+           student and teacher logits built `--chunk` tokens at a time (0: auto, 88 here), student chunk recomputed in backward;
   full:    [T, V] student logits and [K, T, V] teacher logits materialised, then the same divergence.
 Each mode runs in its own process; peak resident memory (ru_maxrss) is reported above the
 process's baseline after the model is built. Last line: JSON.
@@ -74,7 +74,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--views", type=int, default=4)
-    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--chunk", type=int, default=0, help="tokens per chunk; 0 = auto from the vocabulary")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--modes", default="chunked,full")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -69,8 +69,10 @@ def test_view_disagreement_and_correction_hand_computed():
     # pairs (0,1), (0,2), (1,2): JSD j, 0, j -> mean 2j/3
     assert math.isclose(losses.view_disagreement(views).item(), 2 * j / 3, rel_tol=1e-12)
     assert losses.view_disagreement(views[:1]).item() == 0.0
-    # teacher [0.7, 0.3] vs student [0.4, 0.6]: under-weighted mass = 0.7 - 0.4 = 0.3
+    # teacher [0.7, 0.3] vs student [0.4, 0.6]: the teacher's top token is under-weighted by 0.7 - 0.4 = 0.3
     assert math.isclose(losses.correction_mass(_logp([0.4, 0.6]), _logp([0.7, 0.3])).item(), 0.3, rel_tol=1e-12)
+    # a teacher merely broader than a right, confident student corrects nothing: 0.6 - 0.9 < 0
+    assert math.isclose(losses.correction_mass(_logp([0.9, 0.1]), _logp([0.6, 0.4])).item(), -0.3, rel_tol=1e-12)
 
 
 def test_teacher_top_k_renormalises_both_sides():
