@@ -6,6 +6,7 @@ embedded tiny Qwen3 built from a config with the local character tokenizer (no d
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -60,12 +61,26 @@ def build_tiny(spec: TinySpec, seed: int) -> tuple[PreTrainedModel, PreTrainedTo
 def load_pretrained(
     path: str, dtype: str = "float32", trust_remote_code: bool = False
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load model + tokenizer from a directory (or hub id). Adds a pad token if the tokenizer lacks one."""
+    """Load model + tokenizer from a directory (or hub id). Adds a pad token if the tokenizer lacks one.
+    A PEFT adapter directory (adapter_config.json) loads its base model and merges the adapter in."""
+    if os.path.exists(os.path.join(path, "adapter_config.json")):
+        return _load_adapter(path, dtype, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     return model, tokenizer
+
+
+def _load_adapter(path: str, dtype: str, trust_remote_code: bool):
+    from peft import PeftConfig, PeftModel
+
+    base = PeftConfig.from_pretrained(path).base_model_name_or_path
+    model, _ = load_pretrained(base, dtype, trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return PeftModel.from_pretrained(model, path).merge_and_unload(), tokenizer
 
 
 def count_parameters(model: torch.nn.Module) -> int:

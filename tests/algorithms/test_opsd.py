@@ -170,3 +170,25 @@ def test_missing_reference_solutions_fail_naming_the_field():
     task._splits = ([bad] + task.train_examples()[1:], task.test_examples())
     with pytest.raises(DataError, match="solution_field"):
         OPSD(OPSDConfig()).check_task(task)
+
+
+def test_lora_export_is_an_adapter_that_loads_merged(tmp_path):
+    from models.loading import load_pretrained
+
+    model, tok = tiny()
+    base_dir = tmp_path / "base"
+    model.save_pretrained(base_dir)
+    tok.save_pretrained(base_dir)
+    base, _ = load_pretrained(str(base_dir))
+    algo = OPSD(OPSDConfig(lora_rank=4))
+    peft_model = algo.prepare_model(base)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # a non-trivial adapter
+    algo.export(peft_model, tok, str(tmp_path / "final"))
+    assert (tmp_path / "final" / "adapter_config.json").exists() and (tmp_path / "final" / "README.md").exists()
+    merged, _ = load_pretrained(str(tmp_path / "final"))
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=ids).logits, peft_model(input_ids=ids).logits, atol=1e-4)

@@ -40,7 +40,8 @@ def test_run_writes_config_metrics_checkpoint_and_final(tmp_path):
     train, evals = _records(out), _records(out, "eval")
     assert [r["step"] for r in train] == [1, 2, 3]
     assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 for r in train)
-    assert len(evals) == 1 and evals[0]["step"] == 3 and 0.0 <= evals[0]["accuracy"] <= 1.0 and evals[0]["n"] == 8
+    assert [r["step"] for r in evals] == [0, 3]  # before training, then at eval_every
+    assert all(0.0 <= r["accuracy"] <= 1.0 and r["n"] == 8 for r in evals)
     assert [s for s, _ in checkpoint.complete_checkpoints(str(out))] == [2, 3]
     loaded = AutoModelForCausalLM.from_pretrained(final)
     tok = AutoTokenizer.from_pretrained(final)
