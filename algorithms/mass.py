@@ -10,8 +10,8 @@ is in ../shared/seeds/000_*.txt). Per step, on top of OPSD (algorithms/opsd.py):
    Monte-Carlo estimate of the marginal over reference realisations; default) or `geometric`.
 3. Selective transfer: token weight 1 only where the views agree (mean pairwise JSD across views at
    or below the batch's `gate_agreement_quantile`, or below `gate_agreement_threshold` when set) AND
-   the teacher corrects the student (its top token's probability exceeds the student's by >=
-   `gate_margin`; a teacher merely broader than a confident student is no correction);
+   the teacher corrects the student (its top token's probability exceeds the student's by more
+   than `gate_margin`; a teacher merely broader than a confident student is no correction);
    0 elsewhere. The kept fraction is logged as mass/kept_fraction.
 4. Adaptive masking: each span's influence is how far masking it moved the teacher -- the JSD(1/2)
    between a view and the aggregate, averaged over the completion and shared among the spans that view
@@ -65,7 +65,7 @@ class MASSConfig(OPSDConfig):
     gate: bool = True
     gate_agreement_quantile: float = 0.8  # keep tokens whose view disagreement is at or below this quantile
     gate_agreement_threshold: float = 0.0  # > 0: an absolute disagreement threshold instead of the quantile
-    gate_margin: float = 0.02  # keep tokens where the teacher corrects at least this much probability mass
+    gate_margin: float = 0.0  # keep tokens where p_T(v*) - p_S(v*) exceeds this (v* = the teacher's top token)
     adaptive_masking: bool = True
     influence_mix: float = 0.5  # weight of softmax(influence) against uniform when drawing masks
     influence_temperature: float = 1.0
@@ -256,7 +256,7 @@ class MASS:
         if c.gate and stats["disagreement"].numel():
             agree = stats["disagreement"]
             limit = c.gate_agreement_threshold or torch.quantile(agree, c.gate_agreement_quantile)
-            keep = (agree <= limit) & (stats["correction"] >= c.gate_margin)
+            keep = (agree <= limit) & (stats["correction"] > c.gate_margin)
             weights = torch.zeros(sel.shape, dtype=torch.float32, device=sel.device)
             weights[sel] = keep.float()
             batch.token_weights = weights
