@@ -187,7 +187,8 @@ class TESD:
         div, weights, logp_s = distill_terms(feats, head, micro, sel_s, c, self.teacher_head)
         student_term = losses.weighted_token_loss(div, weights, normaliser[STUDENT])
         chunk = c.loss_chunk_tokens or losses.auto_chunk(self.teacher_head[0].shape[0], 0)
-        logp_t = losses.chunked_token_logprobs(feats[sel_t], head, micro.input_ids[sel_t], c.temperature, chunk)  # (N_t,)
+        logp_t = losses.chunked_token_logprobs(feats[sel_t], head, micro.input_ids[sel_t], c.temperature,
+                                               chunk)  # (N_t,)
         adv = micro.advantages.unsqueeze(1).expand_as(sel_t)[sel_t]  # (N_t,)
         pg = losses.clipped_policy_gradient(logp_t, logp_t.detach(), adv, c.clip_eps, c.clip_eps)
         teacher_term = pg.sum() / normaliser[TEACHER]

@@ -3,7 +3,8 @@
 A Qwen3-architecture model with a 151,936-token vocabulary (tiny hidden size, so it runs on CPU)
 scores one completion of `--tokens` tokens against K teacher views, forward and backward:
   chunked: the MASS/OPSD loss as trained (algorithms/opsd.distill_loss): final hidden states only,
-           student and teacher logits built `--chunk` tokens at a time (0: auto, 88 here), student chunk recomputed in backward;
+           student and teacher logits built `--chunk` tokens at a time (0: auto, 88 here), the
+           student chunk recomputed in backward;
   full:    [T, V] student logits and [K, T, V] teacher logits materialised, then the same divergence.
 Each mode runs in its own process; peak resident memory (ru_maxrss) is reported above the
 process's baseline after the model is built. Last line: JSON.
@@ -98,7 +99,8 @@ def main() -> None:
     summary = {"vocab": VOCAB, "tokens": args.tokens, "views": args.views, "chunk": args.chunk, "results": results}
     ok = [results[m] for m in ("chunked", "full") if m in results and not results[m].get("failed")]
     if len(ok) == 2:
-        summary["memory_ratio_full_over_chunked"] = ok[1]["peak_mb_above_baseline"] / max(ok[0]["peak_mb_above_baseline"], 1)
+        peaks = [r["peak_mb_above_baseline"] for r in ok]
+        summary["memory_ratio_full_over_chunked"] = peaks[1] / max(peaks[0], 1)
         summary["loss_abs_diff"] = abs(ok[0]["loss"] - ok[1]["loss"])
     print(json.dumps(summary))
 

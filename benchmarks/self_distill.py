@@ -1,6 +1,8 @@
 """SFT-continued vs OPSD vs MASS vs TESD from the same warm-started tiny model, same budget.
 
-Every run starts from the embedded warm-started model (`model=tiny`) and trains `--steps` steps;
+Every run starts from the embedded warm-started model (`model=tiny`) and trains `--steps` steps
+with each algorithm's own defaults (configs/algo/NAME.yaml; e.g. lr 1e-3 for SFT, 3e-5 for the
+self-distillation algorithms);
 the budget is steps x rollouts: OPSD and MASS sample `--batch` student rollouts per step, TESD
 samples the same number split as batch/(1+G) questions x (1 student + G teacher rollouts), and
 SFT-continued trains on `--batch` gold solutions per step. Each (setting, method, seed) is one
@@ -45,7 +47,7 @@ def overrides(method: str, setting: str, seed: int, args, out: str) -> list[str]
         extra = [f"algo.teacher_rollouts={g}"]
     return [f"+algo={method}", "model=tiny", *SETTINGS[setting], f"seed={seed}", f"output_dir={out}",
             f"trainer.max_steps={args.steps}", f"trainer.batch_size={batch}",
-            f"trainer.micro_batch_size={min(batch, args.micro)}", f"trainer.lr={args.lr}",
+            f"trainer.micro_batch_size={min(batch, args.micro)}", *([f"trainer.lr={args.lr}"] if args.lr else []),
             f"trainer.warmup_steps={max(1, args.steps // 10)}", f"trainer.eval_every={args.steps}",
             f"trainer.save_every={args.steps}", f"trainer.eval_examples={args.eval_examples}",
             "trainer.resume=never", "logging.wandb=false", "logging.progress=false", *extra, *args.extra]
@@ -87,7 +89,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, default=16, help="rollouts (or SFT examples) per step")
     ap.add_argument("--micro", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=None, help="one lr for all (default: each algorithm's own)")
     ap.add_argument("--teacher-rollouts", type=int, default=3)
     ap.add_argument("--eval-examples", type=int, default=200)
     ap.add_argument("--workers", type=int, default=2)

@@ -29,7 +29,10 @@ def test_torchrun_two_ranks_end_to_end(tmp_path, subprocess_env, algo, extra, me
     assert [x["step"] for x in train] == [1, 2]
     assert all(metric in x and "rollout/reward" in x for x in train)
     assert all(x["rollout/logprob_gap"] < 1e-3 for x in train)  # DDP trainer == engine sampler
-    assert any(x["split"] == "eval" and "accuracy" in x for x in lines)
+    evals = [x for x in lines if x["split"] == "eval"]
+    assert [x["step"] for x in evals] == [0, 2]  # before and after
+    assert all("accuracy" in x and "teacher_accuracy" in x for x in evals)  # student and teacher prompts
+    assert "held-out accuracy (n=8): step 0" in proc.stdout
     assert (out / "final" / "model.safetensors").exists()
 
 
