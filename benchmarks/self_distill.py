@@ -1,6 +1,6 @@
 """SFT-continued vs OPSD vs MASS vs TESD from the same warm-started tiny model, same budget.
 
-Every run starts from the embedded warm-started model (`model=tiny`) and trains `--steps` steps
+Every run starts from the same embedded warm-started model (built with seed 0) and trains `--steps` steps
 with each algorithm's own defaults (configs/algo/NAME.yaml; e.g. lr 1e-3 for SFT, 3e-5 for the
 self-distillation algorithms);
 the budget is steps x rollouts: OPSD and MASS sample `--batch` student rollouts per step, TESD
@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTINGS = {
     "arith": [],  # the embedded default: 2-digit operands, 2 chained operations
-    "arith-hard": ["data.digits=3", "data.steps=3"],
+    "arith-hard": ["data.digits=3"],  # 3-digit operands: longer column working than the warm start saw
 }
 DIAGNOSTICS = ("rollout/reward", "mass/kept_fraction", "mass/view_disagreement", "mass/correction",
                "tesd/reliability", "tesd/teacher_correct", "tesd/independence", "opsd/divergence", "mass/divergence",
@@ -45,7 +45,7 @@ def overrides(method: str, setting: str, seed: int, args, out: str) -> list[str]
             raise SystemExit(f"--batch {args.batch} must be divisible by 1 + teacher_rollouts = {1 + g}")
         batch = args.batch // (1 + g)
         extra = [f"algo.teacher_rollouts={g}"]
-    return [f"+algo={method}", "model=tiny", *SETTINGS[setting], f"seed={seed}", f"output_dir={out}",
+    return [f"+algo={method}", f"model.path={args.model_path}", *SETTINGS[setting], f"seed={seed}", f"output_dir={out}",
             f"trainer.max_steps={args.steps}", f"trainer.batch_size={batch}",
             f"trainer.micro_batch_size={min(batch, args.micro)}", *([f"trainer.lr={args.lr}"] if args.lr else []),
             f"trainer.warmup_steps={max(1, args.steps // 10)}", f"trainer.eval_every={args.steps}",
@@ -58,9 +58,18 @@ def run_one(job) -> dict:
     out = os.path.join(base, f"{setting}-{method}-{seed}")
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *overrides(method, setting, seed, args, out)],
-                          env=env, capture_output=True, text=True, cwd=ROOT)
-    wall = time.perf_counter() - started
+    done = os.path.join(out, "wall_s")
+    if os.path.exists(done):  # finished earlier into the same --keep directory: reuse it
+        wall = float(open(done).read())
+        proc = subprocess.CompletedProcess([], 0)
+    else:
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"),
+                               *overrides(method, setting, seed, args, out)], env=env, capture_output=True, text=True,
+                              cwd=ROOT)
+        wall = time.perf_counter() - started
+        if proc.returncode == 0:
+            with open(done, "w") as fh:
+                fh.write(str(wall))
     if proc.returncode != 0:
         raise SystemExit(f"{setting}/{method}/seed {seed} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
     lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
@@ -99,10 +108,16 @@ def main() -> None:
     methods, settings = args.methods.split(","), args.settings.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
     base = args.keep or tempfile.mkdtemp(prefix="self_distill_")
-    # Build the cached warm-started model once before the parallel runs (they would wait on it anyway).
-    subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, %r); from trainer.config import ModelConfig;"
-                    "from trainer.distributed import World; from trainer.warm_start import tiny_model;"
-                    "tiny_model(ModelConfig(), World(), 0)" % ROOT], check=True, cwd=ROOT)
+    # One warm-started model for every run and seed (the default model is built per seed), built once.
+    sys.path.insert(0, ROOT)
+    from algorithms import config_schemas
+    from trainer.config import load_config
+    from trainer.distributed import World
+    from trainer.warm_start import cache_path, tiny_model
+
+    model_cfg = load_config(["+algo=sft", "model=tiny"], config_schemas()).model
+    tiny_model(model_cfg, World(), 0)
+    args.model_path = cache_path(model_cfg, 0)
     jobs = [(m, s, seed, args, base) for s in settings for seed in seeds for m in methods]
     started = time.perf_counter()
     with ThreadPoolExecutor(args.workers) as pool:
