@@ -45,7 +45,7 @@ from algorithms import losses
 from algorithms.base import Batch, RolloutContext, StepOutput
 from algorithms.opsd import (
     OPSDConfig, SelfTeacher, check_self_distill_config, chunk_size, detached_head, distill_loss, encode, export_model,
-    final_hidden, prepare_model, require_references, rollout_batch, rollout_metrics, sample, teacher_hidden,
+    final_hidden, predicting, prepare_model, require_references, rollout_batch, rollout_metrics, sample, teacher_hidden,
 )
 from trainer.data import mask_spans
 from trainer.data.base import split_sentences
@@ -245,7 +245,7 @@ class MASS:
         c = self.cfg
         sel = batch.loss_mask.bool()  # (B, T)
         hidden = final_hidden(ctx.policy, batch.input_ids, batch.attention_mask)
-        student = torch.nn.functional.pad(hidden[:, :-1], (0, 0, 1, 0))[sel]  # (N, H)
+        student = predicting(hidden)[sel]  # (N, H)
         stats = losses.self_distill_diagnostics(
             student, detached_head(ctx.policy), batch.teacher_hidden[sel], self.teacher_head,
             temperature=c.temperature, aggregate=c.aggregate, chunk=chunk_size(c, self.teacher_head, batch))

@@ -142,7 +142,12 @@ def student_features(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
         feats = final_hidden(model, input_ids, attention_mask)  # (B, T, H)
     else:
         feats = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
-    return torch.nn.functional.pad(feats[:, :-1], (0, 0, 1, 0)), head  # shift: [:, t] predicts token t
+    return predicting(feats), head
+
+
+def predicting(states: torch.Tensor) -> torch.Tensor:
+    """Shift (B, T, D) states so [:, t] is the state that predicts token t (zeros at t = 0)."""
+    return torch.nn.functional.pad(states[:, :-1], (0, 0, 1, 0))
 
 
 def apply_lora(model: nn.Module, cfg: Any) -> nn.Module:
@@ -236,12 +241,20 @@ def rollout_batch(prompts: list[list[int]], completions: Sequence[Any], pad_id: 
                   uids: list[str]) -> Batch:
     """prompt + completion rows; loss on completion tokens; the sampler's log-probs kept for the gap check."""
     ids, attn = pad_right([p + c.tokens for p, c in zip(prompts, completions)], pad_id, device)
-    loss_mask = torch.zeros_like(ids)
+    loss_mask = completion_mask(prompts, [c.tokens for c in completions], ids)
     rollout_logprobs = torch.zeros(ids.shape, dtype=torch.float32)
     for i, (p, c) in enumerate(zip(prompts, completions)):
-        loss_mask[i, len(p): len(p) + len(c.tokens)] = 1
         rollout_logprobs[i, len(p): len(p) + len(c.tokens)] = torch.tensor(c.logprobs, dtype=torch.float32)
     return Batch(ids, attn, loss_mask, rollout_logprobs=rollout_logprobs.to(device), uids=uids)
+
+
+def completion_mask(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], ids: torch.Tensor
+                    ) -> torch.Tensor:
+    """(B, T) 1 on the completion tokens of right-padded prompt + completion rows."""
+    mask = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        mask[i, len(p): len(p) + len(c)] = 1
+    return mask
 
 
 @torch.no_grad()

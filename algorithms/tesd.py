@@ -34,10 +34,11 @@ import torch
 from torch import nn
 
 from algorithms import losses
-from algorithms.base import Batch, RolloutContext, StepOutput
+from algorithms.base import Batch, RolloutContext, StepOutput, pad_right
 from algorithms.opsd import (
-    OPSDConfig, check_self_distill_config, detached_head, distill_terms, encode, export_model, final_hidden,
-    prepare_model, require_references, rollout_batch, sample, scatter_tokens, student_features, teacher_hidden,
+    OPSDConfig, check_self_distill_config, completion_mask, detached_head, distill_terms, encode, export_model,
+    final_hidden, predicting, prepare_model, require_references, rollout_batch, sample, scatter_tokens,
+    student_features, teacher_hidden,
 )
 from trainer.data import score
 
@@ -97,24 +98,14 @@ def reliability(rewards: torch.Tensor, lam: float) -> torch.Tensor:
 def mean_token_logprobs(model: nn.Module, prompts: list[list[int]], completions: list[list[int]],
                         temperature: float, chunk: int, device: torch.device) -> list[float]:
     """Per row, the mean log-prob of `completions[i]` after `prompts[i]` (no grad)."""
-    batch = rollout_batch(prompts, [_Tokens(c) for c in completions], 0, device, [])
-    hidden = final_hidden(model, batch.input_ids, batch.attention_mask)
-    sel = batch.loss_mask.bool()
-    shifted = torch.nn.functional.pad(hidden[:, :-1], (0, 0, 1, 0))
+    ids, attn = pad_right([p + c for p, c in zip(prompts, completions)], 0, device)
+    sel = completion_mask(prompts, completions, ids).bool()
+    hidden = final_hidden(model, ids, attn)
     head = detached_head(model)
     chunk = chunk or losses.auto_chunk(head[0].shape[0], 0)
-    logp = losses.chunked_token_logprobs(shifted[sel], head, batch.input_ids[sel], temperature, chunk)
+    logp = losses.chunked_token_logprobs(predicting(hidden)[sel], head, ids[sel], temperature, chunk)
     per_row = scatter_tokens(logp, sel).sum(1) / sel.sum(1).clamp(min=1)
     return per_row.tolist()
-
-
-@dataclass
-class _Tokens:
-    tokens: list[int]
-
-    @property
-    def logprobs(self) -> list[float]:
-        return [0.0] * len(self.tokens)
 
 
 class TESD:
