@@ -2,6 +2,7 @@
 
 A test checks this registry matches configs/algo/*.yaml.
 """
+from algorithms.grpo import GRPO, GRPOConfig
 from algorithms.mass import MASS, MASSConfig
 from algorithms.opsd import OPSD, OPSDConfig
 from algorithms.sft import SFT, SFTConfig
@@ -13,6 +14,7 @@ REGISTRY: dict[str, tuple[type, type]] = {
     "opsd": (OPSDConfig, OPSD),
     "mass": (MASSConfig, MASS),
     "tesd": (TESDConfig, TESD),
+    "grpo": (GRPOConfig, GRPO),
 }
 
 

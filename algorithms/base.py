@@ -40,6 +40,11 @@ class Batch:
     teacher_hidden: Optional[Tensor] = None  # (B, T, K, H) teacher final hidden states predicting token t
     row_group: Optional[Tensor] = None  # (B,) long: loss group of each row, each normalised on its own
     num_groups: int = 1
+    old_logprobs: Optional[Tensor] = None  # (B, T) policy log-probs when the rollouts were made (multi-pass RL)
+    ref_logprobs: Optional[Tensor] = None  # (B, T) reference-model log-probs (KL penalty)
+    row_units: Optional[Tensor] = None  # (B,) normalisation units per row; None = its loss tokens
+    prompt_lengths: Optional[Tensor] = None  # (B,) long: tokens of each row's prompt
+    share_group: Optional[Tensor] = None  # (B,) long: rows with one id share a prompt; micro-batches keep them together
     uids: list[str] = field(default_factory=list)
     metrics: dict[str, Tensor] = field(default_factory=dict)  # rank-local scalars from make_batch, logged
 
@@ -51,10 +56,11 @@ class Batch:
         return self.input_ids.shape[0]
 
     def num_targets(self) -> Tensor:
-        """Loss tokens: a scalar, or (num_groups,) per loss group when rows carry `row_group`."""
+        """Normalisation units -- loss tokens, or `row_units` per row when set (e.g. 1 per sequence for
+        a sequence mean): a scalar, or (num_groups,) per loss group when rows carry `row_group`."""
+        per_row = self.loss_mask.sum(1) if self.row_units is None else self.row_units
         if self.row_group is None:
-            return self.loss_mask.sum()
-        per_row = self.loss_mask.sum(1)
+            return per_row.sum()
         return torch.zeros(self.num_groups, dtype=per_row.dtype, device=per_row.device).index_add_(
             0, self.row_group, per_row)
 
@@ -78,9 +84,11 @@ class Batch:
         columns (dim 1 of every tensor with 2+ dims is the token axis). The loss is a sum over rows
         divided by a global normaliser, so the grouping changes
         no result, only how much padding is computed (rows with a privileged reference in the prompt
-        are much longer than the rest)."""
+        are much longer than the rest). Rows carrying `share_group` are ordered by group instead, so
+        the rows of one shared prompt land in the same micro-batch (its prefill is computed once)."""
         lengths = self.attention_mask.sum(1).cpu()  # (B,)
-        order = torch.sort(lengths, stable=True).indices
+        key = lengths if self.share_group is None else self.share_group.cpu()
+        order = torch.sort(key, stable=True).indices
         out = []
         for start in range(0, len(self), size):
             rows = order[start : start + size]
@@ -103,7 +111,9 @@ class RolloutContext:
     the full-weight policy and a generation engine over it."""
 
     def __init__(self, task: Any, tokenizer: Any, generator: torch.Generator, device: torch.device,
-                 max_new_tokens: int, policy_fn: Optional[Callable[[], torch.nn.Module]] = None):
+                 max_new_tokens: int, policy_fn: Optional[Callable[[], torch.nn.Module]] = None,
+                 world: Any = None):
+        self.world = world  # trainer.distributed.World, for batch-wide statistics (None: this process only)
         self.task = task
         self.tokenizer = tokenizer
         self.generator = generator

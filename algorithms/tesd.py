@@ -115,6 +115,10 @@ class TESD:
         self.cfg = cfg
         self.teacher_head: Optional[losses.Head] = None
 
+    @property
+    def rows_per_prompt(self) -> int:  # 1 student + G teacher rows per question (micro-batch count)
+        return 1 + self.cfg.teacher_rollouts
+
     def prepare_model(self, model: nn.Module) -> nn.Module:
         return prepare_model(model, self.cfg)
 

@@ -100,6 +100,13 @@ class TrainerConfig:
     keep_last: int = 2
     resume: str = "auto"  # auto | never | PATH
     max_new_tokens: int = 160  # rollout length for on-policy algorithms
+    # Actor-update memory/compute (trainer/activations.py): none | checkpoint (every block recomputed) |
+    # hilore (per-block full / compressed / recomputed, planned under the budgets below)
+    activations: str = "none"
+    activation_memory_budget: float = 1.10  # hilore: x the full-checkpointing peak
+    activation_risk_budget: float = 0.05  # hilore: summed compression error x policy-update exposure
+    activation_compress: str = "int8"  # hilore: int8 | fp8
+    prompt_sharing: bool = False  # RL algorithms: each prompt computed once per group (trainer/prompt_sharing.py)
 
 
 @dataclass
@@ -198,6 +205,8 @@ CHOICES = {
     "data.name": ("arith", "text"),
     "data.on_bad_row": ("error", "skip"),
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "trainer.activations": ("none", "checkpoint", "hilore"),
+    "trainer.activation_compress": ("int8", "fp8"),
 }
 
 
@@ -214,6 +223,12 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"trainer.{key}={getattr(t, key)} must be > 0")
     if t.lr <= 0:
         raise ConfigError(f"trainer.lr={t.lr} must be > 0")
+    if t.activation_memory_budget < 1.0 or t.activation_risk_budget < 0:
+        raise ConfigError(f"trainer.activation_memory_budget={t.activation_memory_budget} must be >= 1.0 and "
+                          f"trainer.activation_risk_budget={t.activation_risk_budget} >= 0")
+    if t.prompt_sharing and not getattr(cfg.algo, "supports_prompt_sharing", False):
+        raise ConfigError(f"trainer.prompt_sharing=true: algo {cfg.algo.name} does not sample groups of responses "
+                          "per prompt (use it with +algo=grpo)")
     if cfg.backend.name == "deepspeed" and cfg.backend.zero_stage not in (1, 2, 3):
         raise ConfigError(f"backend.zero_stage={cfg.backend.zero_stage} must be 1, 2 or 3 for deepspeed")
     if t.resume not in ("auto", "never") and not os.path.isdir(os.path.expanduser(t.resume)):

@@ -40,6 +40,7 @@ class Session:
     tracker: Any
     generator: torch.Generator  # rollout sampling; checkpointed
     step: int = 0
+    activations: Any = None  # trainer.activations.ActivationManager, or None
     evals: list = field(default_factory=list)  # eval records of this process's run, in order
 
 
@@ -97,7 +98,7 @@ def fit(s: Session) -> str:
 
 def rollout_context(s: Session) -> RolloutContext:
     return RolloutContext(s.task, s.tokenizer, s.generator, s.world.device, s.cfg.trainer.max_new_tokens,
-                          policy_fn=s.backend.full_model)
+                          policy_fn=s.backend.full_model, world=s.world)
 
 
 def train_step(s: Session, batch: Batch) -> dict:
@@ -109,6 +110,9 @@ def train_step(s: Session, batch: Batch) -> dict:
     normaliser = (global_targets / world.size).clamp(min=1).float()  # backends average grads over ranks
     loss_sum, metric_sums, gaps = torch.zeros(()), {}, []
     for i, micro in enumerate(micros):
+        if s.activations is not None:  # the policy-update exposure of these tokens, known before backward
+            exposure = getattr(s.algo, "exposure", None)
+            s.activations.set_exposure(exposure(micro) if exposure is not None else None)
         with backend.accumulate(last=i == len(micros) - 1), _autocast(world.device):
             out = s.algo.loss(backend.train_model, micro, normaliser)
         _check_finite(s, out.loss, i, micro)
@@ -120,6 +124,8 @@ def train_step(s: Session, batch: Batch) -> dict:
             gaps.append(logprob_gap(out.token_logprobs, micro.rollout_logprobs, micro.loss_mask).cpu())
     grad_norm = backend.step(s.cfg.trainer.max_grad_norm)
     metric_sums.update({k: v.detach().float().cpu() for k, v in batch.metrics.items()})
+    if s.activations is not None:
+        metric_sums.update({k: v.detach().float().cpu() for k, v in s.activations.metrics().items()})
     if gaps:  # the rollout-vs-trainer log-prob gap: must stay ~0 for on-policy algorithms
         metric_sums["rollout/logprob_gap"] = torch.stack(gaps).mean()
     local_tokens = batch.attention_mask.sum().cpu()

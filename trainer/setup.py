@@ -62,8 +62,11 @@ def build_session(cfg: TrainConfig, world: World, model=None, tokenizer=None, ta
         algo.check_task(task)
     model = algo.prepare_model(model).to(world.device)
     t = cfg.trainer
+    if t.prompt_sharing:
+        algo.prompt_sharing = True
+    activations = install_activations(model, t)
     per_rank = _per_rank_batch(t.batch_size, world.size)
-    micro_steps = -(-per_rank // t.micro_batch_size)
+    micro_steps = -(-per_rank * getattr(algo, "rows_per_prompt", 1) // t.micro_batch_size)
     backend = build_backend(cfg.backend.name, model, t, world, cfg.backend.zero_stage, micro_steps)
     stream = PromptStream(task.train_examples(), t.batch_size, cfg.seed, world.rank, world.size)
     resume_from = _resume_path(cfg)
@@ -75,7 +78,7 @@ def build_session(cfg: TrainConfig, world: World, model=None, tokenizer=None, ta
                       project=cfg.logging.project, run_name=cfg.logging.run_name, config=to_dict(cfg),
                       progress=cfg.logging.progress)
     generator = torch.Generator().manual_seed(cfg.seed + ROLLOUT_SEED_OFFSET * (world.rank + 1))
-    session = Session(cfg, world, tokenizer, task, algo, backend, stream, tracker, generator)
+    session = Session(cfg, world, tokenizer, task, algo, backend, stream, tracker, generator, activations=activations)
     if resume_from is not None:
         resume(session, resume_from)
         if world.is_main:
@@ -83,6 +86,16 @@ def build_session(cfg: TrainConfig, world: World, model=None, tokenizer=None, ta
         if tracker.bar is not None:
             tracker.bar.n = session.step
     return session
+
+
+def install_activations(model, t):
+    """The actor-update activation manager for trainer.activations (None for `none`)."""
+    if t.activations == "none":
+        return None
+    from trainer.activations import ActivationConfig, install
+
+    return install(model, ActivationConfig(mode=t.activations, memory_budget=t.activation_memory_budget,
+                                           risk_budget=t.activation_risk_budget, compress=t.activation_compress))
 
 
 def _per_rank_batch(batch_size: int, world_size: int) -> int:

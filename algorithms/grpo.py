@@ -1,0 +1,329 @@
+"""GRPO: group-relative policy optimisation with verifier rewards.
+
+References read for the semantics (no code taken): TRL `GRPOTrainer._compute_loss`, verl
+`core_algos.compute_grpo_outcome_advantage` / `agg_loss`. Per step, for each prompt:
+
+1. G = `num_generations` completions are sampled through the inference engine (`temperature`, `top_p`).
+2. Each is rewarded by the task's verifier (`reward_mode`: `steps` = right answer through fully right
+   working, the default; `answer`; `partial`), or by a user function `reward_fn` ("module:function",
+   called as fn(example, completion_text) -> float or None), plus `format_weight` when the
+   completion states a final answer the verifier can read. A None reward marks the sample invalid:
+   it is left out of its group's statistics and gets advantage 0 (counted in `grpo/reward_none`).
+3. Advantages `A = (r - mean_group) / (std + eps)`: std of the group (`scale_rewards=group`, unbiased),
+   of the whole batch over all ranks (`batch`), or no division (`none`, Dr. GRPO). A group whose
+   rewards are all equal, or with fewer than 2 valid samples (G = 1), gets A = 0 (`grpo/frac_zero_std`).
+4. Loss per completion token: `-min(rho A, clip(rho, 1 - epsilon_low, 1 + epsilon_high) A)` with
+   `rho = exp(logp - old_logp)`; `old_logp` is the detached current log-prob for a single pass
+   (`num_iterations=1`) or the policy's log-probs stored when the rollouts were made, the same batch
+   then being reused for `num_iterations` optimizer steps. With `beta > 0`, `beta x` the k3 KL
+   `exp(ref - logp) - (ref - logp) - 1` to the starting weights is added per token.
+5. Aggregation (`loss_type`): `token-mean` (over all completion tokens of the global batch),
+   `seq-mean-token-mean` (mean over sequences of each sequence's token mean), `dr_grpo` (token sum /
+   (sequences x max_new_tokens)). The denominators are global counts (Batch.row_units), so the
+   result is exact under gradient accumulation and data parallelism.
+
+Log-probs come from final hidden states and the output head a chunk of tokens at a time, logits
+divided by the sampling temperature (algorithms.losses.chunked_token_logprobs): no [B, T, V] fp32
+logits. `trainer.prompt_sharing=true` computes each prompt once per group and replays the G responses
+against its K/V (trainer/prompt_sharing.py), with the same loss and gradients.
+
+    python train.py +algo=grpo
+    torchrun --standalone --nproc_per_node=2 train.py +algo=grpo trainer.activations=hilore
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Optional, Sequence
+
+import torch
+from torch import nn
+
+from algorithms import losses
+from algorithms.base import Batch, RolloutContext, StepOutput
+from algorithms.opsd import (
+    SelfTeacher, encode, export_model, prepare_model, rollout_batch, sample,
+    scatter_tokens, student_features,
+)
+from trainer.data import score
+
+LOSS_TYPES = ("token-mean", "seq-mean-token-mean", "dr_grpo")
+SCALES = ("group", "batch", "none")
+REWARD_MODES = ("answer", "steps", "partial")
+
+
+@dataclass
+class GRPOConfig:
+    supports_prompt_sharing: ClassVar[bool] = True
+    name: str = "grpo"
+    num_generations: int = 8  # G completions per prompt
+    temperature: float = 1.0  # rollout temperature; the loss divides logits by it too
+    top_p: float = 1.0
+    reward_mode: str = "steps"  # answer | steps | partial (trainer.data.score)
+    reward_fn: Optional[str] = None  # "module:function" -> float | None, replaces the verifier reward
+    format_weight: float = 0.0  # added when the completion states a final answer the verifier reads
+    scale_rewards: str = "group"  # group | batch | none
+    advantage_eps: float = 1e-4
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    num_iterations: int = 1  # optimizer steps per generated batch (> 1 stores old log-probs)
+    beta: float = 0.0  # k3 KL to the starting weights
+    loss_type: str = "token-mean"  # token-mean | seq-mean-token-mean | dr_grpo
+    loss_chunk_tokens: int = 0  # tokens per logits chunk; 0 = from the vocabulary size
+    logprob_batch_size: int = 32  # rows per no-grad forward for old / reference log-probs
+    lora_rank: int = 0
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                             "gate_proj", "up_proj", "down_proj"])
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.num_generations < 1:
+            raise ValueError(f"algo.num_generations={self.num_generations} must be >= 1")
+        if self.temperature <= 0:
+            raise ValueError(f"algo.temperature={self.temperature} must be > 0 (rollouts sample)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"algo.top_p={self.top_p} must be in (0, 1]")
+        if self.reward_mode not in REWARD_MODES:
+            raise ValueError(f"algo.reward_mode={self.reward_mode} is not one of {', '.join(REWARD_MODES)}")
+        if self.scale_rewards not in SCALES:
+            raise ValueError(f"algo.scale_rewards={self.scale_rewards} is not one of {', '.join(SCALES)}")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"algo.loss_type={self.loss_type} is not one of {', '.join(LOSS_TYPES)}")
+        if not (0.0 <= self.epsilon_low < 1.0 and self.epsilon_high >= 0.0):
+            raise ValueError(f"algo.epsilon_low={self.epsilon_low} must be in [0, 1) and "
+                             f"algo.epsilon_high={self.epsilon_high} >= 0")
+        if self.num_iterations < 1:
+            raise ValueError(f"algo.num_iterations={self.num_iterations} must be >= 1")
+        if self.beta < 0 or self.advantage_eps < 0 or self.loss_chunk_tokens < 0 or self.lora_rank < 0:
+            raise ValueError("algo.beta, algo.advantage_eps, algo.loss_chunk_tokens and algo.lora_rank must be >= 0")
+        if self.logprob_batch_size <= 0:
+            raise ValueError(f"algo.logprob_batch_size={self.logprob_batch_size} must be > 0")
+        if self.reward_fn is not None:
+            load_reward_fn(self.reward_fn)
+
+
+def load_reward_fn(spec: str) -> Callable[[Any, str], Optional[float]]:
+    """"package.module:function" -> the function; ValueError naming the spec when it cannot be imported."""
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"algo.reward_fn={spec!r} must look like 'package.module:function'")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"algo.reward_fn={spec!r} cannot be loaded: {err}") from err
+    if not callable(fn):
+        raise ValueError(f"algo.reward_fn={spec!r} is not callable")
+    return fn
+
+
+# --- advantages ----------------------------------------------------------------------------------
+
+
+def group_advantages(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, eps: float = 1e-4,
+                     scale: str = "group", world: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages of (N,) rewards in consecutive groups of `group_size`, only `valid` samples counted.
+
+    Returns (A (N,), zero_std (N // G,) bool: groups that carry no learning signal). Invalid samples
+    and groups with < 2 valid samples get A = 0. `scale`: group -> divide by the group's unbiased std;
+    batch -> by the std of all valid rewards of the global batch (`world` all-reduces the sums);
+    none -> no division. With all-valid rewards and scale=group this is algorithms.losses.group_advantages.
+    Example: rewards [1, 0, 0, 1], G=4 -> mean .5, std .57735 -> A = +-0.5/0.57745 = +-0.8659.
+    """
+    r = rewards.double().view(-1, group_size)
+    v = valid.view(-1, group_size).double()
+    n = v.sum(1, keepdim=True)
+    mean = (r * v).sum(1, keepdim=True) / n.clamp(min=1)
+    centred = (r - mean) * v
+    var = (centred ** 2).sum(1, keepdim=True) / (n - 1).clamp(min=1)
+    zero_std = (var.squeeze(1) <= 0) | (n.squeeze(1) < 2)
+    if scale == "group":
+        centred = centred / (var.sqrt() + eps)
+    elif scale == "batch":
+        stats = torch.stack([(r * v).sum(), (r * r * v).sum(), v.sum()])
+        if world is not None:
+            stats = world.all_reduce_sum(stats)
+        total, squares, count = stats.tolist()
+        batch_var = (squares - total * total / max(count, 1.0)) / max(count - 1.0, 1.0)
+        centred = centred / (math.sqrt(max(batch_var, 0.0)) + eps)
+    elif scale != "none":
+        raise ValueError(f"unknown scale_rewards {scale!r}; expected one of {', '.join(SCALES)}")
+    centred = torch.where(n < 2, torch.zeros_like(centred), centred)
+    return centred.view(-1).float(), zero_std
+
+
+def k3_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(policy || reference): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1.0
+
+
+# --- log-probs ------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def policy_logprobs(model: nn.Module, batch: Batch, temperature: float, chunk: int, rows_per_pass: int
+                     ) -> torch.Tensor:
+    """(B, T) log-probs of the batch's completion tokens under `model` (no grad), 0 elsewhere."""
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)
+    for start in range(0, len(batch), rows_per_pass):
+        ids = batch.input_ids[start: start + rows_per_pass]
+        attn = batch.attention_mask[start: start + rows_per_pass]
+        sel = batch.loss_mask[start: start + rows_per_pass].bool()
+        feats, head = student_features(model, ids, attn)
+        c = chunk or losses.auto_chunk(feats.shape[-1] if head is None else head[0].shape[0], 0)
+        out[start: start + rows_per_pass] = scatter_tokens(
+            losses.chunked_token_logprobs(feats[sel], head, ids[sel], temperature, c).float(), sel)
+    return out
+
+
+class GRPO:
+    name = "grpo"
+
+    def __init__(self, cfg: GRPOConfig):
+        self.cfg = cfg
+        self.prompt_sharing = False  # set by the trainer from trainer.prompt_sharing
+        self.reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else None
+        self.reference = SelfTeacher("fixed", 0.0)  # the starting weights, for the KL term
+        self._reuse: Optional[Batch] = None  # the generated batch while it serves num_iterations steps
+        self._iteration = 0
+        if cfg.num_generations == 1:
+            warnings.warn("algo.num_generations=1: every group-relative advantage is 0, so GRPO makes no update "
+                          "(logged as grpo/frac_zero_std = 1)", stacklevel=2)
+
+    @property
+    def rows_per_prompt(self) -> int:
+        return self.cfg.num_generations
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        return prepare_model(model, self.cfg)
+
+    # --- rollouts -------------------------------------------------------------------------------
+
+    def make_batch(self, examples: Sequence[Any], ctx: RolloutContext) -> Batch:
+        c = self.cfg
+        if self._reuse is not None and self._iteration < c.num_iterations:
+            self._iteration += 1  # the same rollouts, one more optimizer step against the stored old log-probs
+            self._reuse.metrics = {**self._reuse.metrics, "grpo/iteration": torch.tensor(float(self._iteration))}
+            return self._reuse
+        tok, task, g = ctx.tokenizer, ctx.task, c.num_generations
+        prompts = [encode(tok, task.prompt(ex)) for ex in examples]
+        rows = [p for p in prompts for _ in range(g)]  # prompt-major: rows b*G .. b*G+G-1
+        outs = sample(ctx, rows, c.temperature, c.top_p)
+        rewards, valid, metrics = self.rewards([ex for ex in examples for _ in range(g)], outs, tok, task)
+        adv, zero_std = group_advantages(rewards, valid, g, c.advantage_eps, c.scale_rewards, ctx.world)
+        batch = rollout_batch(rows, outs, tok.pad_token_id, ctx.device,
+                              [f"{ex.uid}/{k}" for ex in examples for k in range(g)])
+        batch.advantages = adv.to(ctx.device)
+        batch.prompt_lengths = torch.tensor([len(p) for p in rows], device=ctx.device)
+        if self.prompt_sharing:
+            batch.share_group = torch.arange(len(examples), device=ctx.device).repeat_interleave(g)
+        if c.loss_type == "seq-mean-token-mean":
+            batch.row_units = torch.ones(len(rows), device=ctx.device)
+        elif c.loss_type == "dr_grpo":
+            batch.row_units = torch.full((len(rows),), float(ctx.max_new_tokens), device=ctx.device)
+        chunk = c.loss_chunk_tokens
+        if c.num_iterations > 1:
+            batch.old_logprobs = policy_logprobs(ctx.policy, batch, c.temperature, chunk, c.logprob_batch_size)
+        if c.beta > 0:
+            with self.reference.weights(ctx.policy) as ref:
+                batch.ref_logprobs = policy_logprobs(ref, batch, c.temperature, chunk, c.logprob_batch_size)
+        lengths = torch.tensor([float(len(o.tokens)) for o in outs])
+        batch.metrics = {**metrics, "grpo/frac_zero_std": zero_std.float().mean(),
+                         "grpo/advantage_abs": adv.abs().mean(), "rollout/length": lengths.mean(),
+                         "grpo/empty_completions": (lengths == 0).float().mean()}
+        if c.num_iterations > 1:
+            self._reuse, self._iteration = batch, 1
+            batch.metrics["grpo/iteration"] = torch.tensor(1.0)
+        return batch
+
+    def rewards(self, examples: Sequence[Any], outs: Sequence[Any], tok: Any, task: Any
+                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(rewards (N,), valid (N,) bool, metrics) for completions paired with their examples."""
+        c = self.cfg
+        rewards, valid, correct, right_working, formatted = [], [], [], [], []
+        for ex, out in zip(examples, outs):
+            text = tok.decode(out.tokens, skip_special_tokens=True)
+            result = task.verify(ex, text)
+            value = self.reward_fn(ex, text) if self.reward_fn is not None else score(result, c.reward_mode)
+            has_answer = result.answer is not None
+            if value is not None and not math.isfinite(float(value)):
+                value = None
+            valid.append(value is not None)
+            rewards.append((float(value) if value is not None else 0.0) + c.format_weight * has_answer)
+            correct.append(float(result.correct))
+            right_working.append(score(result, "steps"))
+            formatted.append(float(has_answer))
+        valid_t, rewards_t = torch.tensor(valid, dtype=torch.bool), torch.tensor(rewards)
+        n_valid = valid_t.sum().clamp(min=1)
+        metrics = {"rollout/reward": (rewards_t * valid_t).sum() / n_valid,
+                   "grpo/reward_none": (~valid_t).float().mean(),
+                   "grpo/answer_correct": torch.tensor(correct).mean(),
+                   "grpo/steps_correct": torch.tensor(right_working).mean(),
+                   "grpo/has_answer": torch.tensor(formatted).mean()}
+        return rewards_t, valid_t, metrics
+
+    # --- loss -----------------------------------------------------------------------------------
+
+    def token_logprobs(self, model: nn.Module, micro: Batch) -> torch.Tensor:
+        """(N,) log-probs (with grad) of the micro-batch's completion tokens, in loss_mask order."""
+        c, sel = self.cfg, micro.loss_mask.bool()
+        if self.prompt_sharing:
+            from trainer.prompt_sharing import shared_prompt_logprobs
+
+            return shared_prompt_logprobs(model, micro.input_ids, micro.attention_mask, micro.prompt_lengths,
+                                          c.temperature, c.loss_chunk_tokens)[sel]
+        feats, head = student_features(model, micro.input_ids, micro.attention_mask)
+        chunk = c.loss_chunk_tokens or losses.auto_chunk(feats.shape[-1] if head is None else head[0].shape[0], 0)
+        return losses.chunked_token_logprobs(feats[sel], head, micro.input_ids[sel], c.temperature, chunk)
+
+    def token_weights(self, micro: Batch) -> torch.Tensor:
+        """(B, T) weight of each token's loss before the global normaliser: 1, or 1 / the row's
+        completion tokens for the sequence mean."""
+        mask = micro.loss_mask.float()
+        if self.cfg.loss_type == "seq-mean-token-mean":
+            return mask / mask.sum(1, keepdim=True).clamp(min=1)
+        return mask
+
+    def exposure(self, micro: Batch) -> torch.Tensor:
+        """(B, T) |dL/dlogp| per token as known before the forward (rho taken as 1): |A| x the token's
+        weight. Tokens of zero-advantage rows are not exposed at all (trainer/activations.py)."""
+        return micro.advantages.abs().unsqueeze(1) * self.token_weights(micro)
+
+    def loss(self, model: nn.Module, micro: Batch, normaliser: torch.Tensor) -> StepOutput:
+        c, sel = self.cfg, micro.loss_mask.bool()
+        logp = self.token_logprobs(model, micro)  # (N,)
+        adv = micro.advantages.unsqueeze(1).expand_as(sel)[sel]
+        old = micro.old_logprobs[sel] if micro.old_logprobs is not None else logp.detach()
+        per_token = losses.clipped_policy_gradient(logp, old, adv, c.epsilon_low, c.epsilon_high)
+        metrics: dict[str, torch.Tensor] = {}
+        if c.beta > 0:
+            kl = k3_kl(micro.ref_logprobs[sel], logp)
+            per_token = per_token + c.beta * kl
+            metrics["grpo/kl"] = _mean(kl.detach())
+        weights = self.token_weights(micro)[sel]
+        loss = (per_token * weights).sum() / normaliser
+        ratio = torch.exp(logp.detach() - old)
+        low = (ratio < 1 - c.epsilon_low) & (adv < 0)
+        high = (ratio > 1 + c.epsilon_high) & (adv > 0)
+        metrics.update({"grpo/policy_loss": _mean(per_token.detach()), "grpo/ratio": _mean(ratio),
+                        "grpo/clip_low": _mean(low.float()), "grpo/clip_high": _mean(high.float())})
+        return StepOutput(loss, metrics, scatter_tokens(logp, sel))
+
+    def export(self, model: nn.Module, tokenizer: Any, out_dir: str) -> None:
+        export_model(model, tokenizer, out_dir, self.name)
+
+    def state_dict(self) -> dict:
+        # A resumed run starts a fresh generation: the batch being reused for num_iterations is not saved.
+        return {"reference": self.reference.state_dict()} if self.cfg.beta > 0 else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "reference" in state:
+            self.reference.load_state_dict(state["reference"])
+
+
+def _mean(values: torch.Tensor) -> torch.Tensor:
+    return values.float().mean() if values.numel() else values.new_zeros((), dtype=torch.float32)
