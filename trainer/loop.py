@@ -179,7 +179,7 @@ def run_eval(s: Session) -> dict:
 
 def save(s: Session) -> str:
     state = {"step": s.step, "stream": s.stream.state_dict(), "algo": s.algo.state_dict(),
-             "generator": s.generator.get_state()}
+             "generator": s.world.gather_objects(s.generator.get_state())}  # each rank's rollout stream
     return checkpoint.save_checkpoint(s.cfg.output_dir, s.step, s.backend, s.world, state, s.cfg.trainer.keep_last)
 
 
@@ -188,7 +188,8 @@ def resume(s: Session, path: Optional[str]) -> None:
     s.step = state["step"]
     s.stream.load_state_dict(state["stream"])
     s.algo.load_state_dict(state["algo"])
-    s.generator.set_state(state["generator"])
+    generators = state["generator"]
+    s.generator.set_state(generators[s.world.rank] if isinstance(generators, list) else generators)
     s.tracker.truncate_after(s.step)
 
 
