@@ -291,3 +291,18 @@ def test_two_steps_change_every_parameter():
 
 def length_reward(example, completion):  # dense reward so a random-init model gets a signal
     return float(len(completion))
+
+
+def test_prompt_sharing_gives_the_same_loss_and_gradients():
+    algo, model, tok, task, batch = rollout("seq-mean-token-mean")
+    batch.advantages = torch.linspace(-1, 1, len(batch))
+    flat_loss = algo.loss(model, batch, batch.num_targets().float()).loss.item()
+    flat = grads(model, algo, batch, 8)
+    algo.prompt_sharing = True
+    batch.share_group = torch.arange(3).repeat_interleave(4)
+    micros = batch.micro_batches(8)
+    assert [m.share_group.tolist() for m in micros] == [[0, 0, 0, 0, 1, 1, 1, 1], [2, 2, 2, 2]]  # groups kept whole
+    assert algo.loss(model, batch, batch.num_targets().float()).loss.item() == pytest.approx(flat_loss, rel=1e-5)
+    shared = grads(model, algo, batch, 8)
+    for name, g in flat.items():
+        torch.testing.assert_close(shared[name], g, atol=1e-6, rtol=1e-4)
