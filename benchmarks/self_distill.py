@@ -1,16 +1,19 @@
-"""SFT-continued vs OPSD vs MASS vs TESD from the same warm-started tiny model, same budget.
+"""SFT-continued vs OPSD vs MASS vs TESD (and GRPO) from the same warm-started tiny model, same budget.
 
 Every run starts from the same embedded warm-started model (built with seed 0) and trains `--steps` steps
 with each algorithm's own defaults (configs/algo/NAME.yaml; e.g. lr 1e-3 for SFT, 3e-5 for the
 self-distillation algorithms);
 the budget is steps x rollouts: OPSD and MASS sample `--batch` student rollouts per step, TESD
-samples the same number split as batch/(1+G) questions x (1 student + G teacher rollouts), and
+samples the same number split as batch/(1+G) questions x (1 student + G teacher rollouts), GRPO
+batch/G prompts x G completions (`--group`), and
 SFT-continued trains on `--batch` gold solutions per step. Each (setting, method, seed) is one
 `python train.py` process (one thread; `--workers` run side by side). Held-out accuracy is greedy on
 the setting's test split, before (step 0) and after training.
 
     python benchmarks/self_distill.py                          # 2 settings x 4 methods x 3 seeds
     python benchmarks/self_distill.py --methods opsd,mass --seeds 0 --steps 20
+    python benchmarks/self_distill.py --methods grpo --settings arith --batch 64 --steps 100 \
+        --extra trainer.eval_every=20               # GRPO: 8 prompts x G=8, held-out curve every 20 steps
 
 Prints a table (accuracy mean +- std over seeds, tokens/s, wall time, diagnostics); last line JSON.
 """
@@ -33,7 +36,7 @@ SETTINGS = {
 }
 DIAGNOSTICS = ("rollout/reward", "mass/kept_fraction", "mass/view_disagreement", "mass/correction",
                "tesd/reliability", "tesd/teacher_correct", "tesd/independence", "opsd/divergence", "mass/divergence",
-               "tesd/divergence")
+               "tesd/divergence", "grpo/steps_correct", "grpo/answer_correct", "grpo/frac_zero_std")
 
 
 def overrides(method: str, setting: str, seed: int, args, out: str) -> list[str]:
@@ -45,6 +48,12 @@ def overrides(method: str, setting: str, seed: int, args, out: str) -> list[str]
             raise SystemExit(f"--batch {args.batch} must be divisible by 1 + teacher_rollouts = {1 + g}")
         batch = args.batch // (1 + g)
         extra = [f"algo.teacher_rollouts={g}"]
+    elif method == "grpo":  # batch rollouts = batch / G prompts x G completions
+        g = args.group
+        if args.batch % g:
+            raise SystemExit(f"--batch {args.batch} must be divisible by --group {g}")
+        batch = args.batch // g
+        extra = [f"algo.num_generations={g}"]
     return [f"+algo={method}", f"model.path={args.model_path}", *SETTINGS[setting], f"seed={seed}", f"output_dir={out}",
             f"trainer.max_steps={args.steps}", f"trainer.batch_size={batch}",
             f"trainer.micro_batch_size={min(batch, args.micro)}", *([f"trainer.lr={args.lr}"] if args.lr else []),
@@ -77,7 +86,7 @@ def run_one(job) -> dict:
     train = [x for x in lines if x["split"] == "train"]
     diag = {k: statistics.fmean(x[k] for x in train if k in x) for k in DIAGNOSTICS if any(k in x for x in train)}
     result = {"method": method, "setting": setting, "seed": seed, "before": evals[0]["accuracy"],
-              "after": evals[-1]["accuracy"], "wall_s": wall,
+              "after": evals[-1]["accuracy"], "wall_s": wall, "curve": [(x["step"], x["accuracy"]) for x in evals],
               "tokens_per_s": statistics.fmean(x["tokens_per_s"] for x in train), **diag}
     if "teacher_accuracy" in evals[0]:
         result["teacher_before"], result["teacher_after"] = evals[0]["teacher_accuracy"], evals[-1]["teacher_accuracy"]
@@ -100,6 +109,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=16)
     ap.add_argument("--lr", type=float, default=None, help="one lr for all (default: each algorithm's own)")
     ap.add_argument("--teacher-rollouts", type=int, default=3)
+    ap.add_argument("--group", type=int, default=8, help="GRPO completions per prompt")
     ap.add_argument("--eval-examples", type=int, default=200)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
@@ -137,11 +147,18 @@ def main() -> None:
             for k in DIAGNOSTICS + ("teacher_before", "teacher_after"):
                 if all(k in r for r in rs):
                     row[k] = statistics.fmean(r[k] for r in rs)
+            curves = [dict(r["curve"]) for r in rs]
+            steps = sorted(set.intersection(*(set(c) for c in curves)))
+            row["curve"] = {step: statistics.fmean(c[step] for c in curves) for step in steps}
             table.append(row)
             diag = "  ".join(f"{k.split('/')[-1]}={row[k]:.3f}" for k in DIAGNOSTICS + ("teacher_before", "teacher_after")
                              if k in row)
             print(f"{s:11s} {m:6s} {row['before']:7.3f} {after:13.3f} +- {std:.3f} {row['tokens_per_s']:9.0f} "
                   f"{row['wall_s']:7.0f}  {diag}")
+    for row in table:
+        if len(row["curve"]) > 2:  # trainer.eval_every below --steps (via --extra): the held-out curve
+            print(f"curve {row['setting']} {row['method']}: " +
+                  "  ".join(f"{step}:{acc:.3f}" for step, acc in row["curve"].items()))
     print(json.dumps({"steps": args.steps, "rollouts_per_step": args.batch, "seeds": seeds, "table": table}))
 
 
