@@ -68,3 +68,15 @@ def test_typed_values_reach_dataclasses(tmp_path):
     assert cfg.trainer.max_steps == 7 and isinstance(cfg.trainer.lr, float)
     assert cfg.algo.reference_fraction == 0.25 and cfg.algo.name == "sft"
     assert cfg.model.hidden_size == 64
+
+
+@pytest.mark.parametrize("override,message", [
+    ("trainer.activations=all", "trainer.activations=all is not one of none, checkpoint, hilore"),
+    ("trainer.activation_memory_budget=0.9", "trainer.activation_memory_budget=0.9 must be >= 1.0"),
+    ("trainer.activation_compress=int4", "trainer.activation_compress=int4 is not one of int8, fp8"),
+])
+def test_activation_keys_are_checked(tmp_path, override, message):
+    from trainer.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(tmp_path, override, algo="grpo")

@@ -47,8 +47,13 @@ row in the model dtype and one fp32 log-softmax row per token). Parameter gradie
 two scenarios -- allocated as backward reaches each unit (first micro-batch of a step) and all
 present (accumulation) -- and a plan must fit both::
 
-    peak = max( sum_l stored_l + head,                                  # end of forward
-                max_l [ sum_{j<=l} stored_j + transient_l + head + grads(l) ] )   # backward of l
+    peak = static + max( sum_l stored_l + head,                                  # end of forward
+                         max_l [ sum_{j<=l} stored_j + transient_l + head + grads(l) ] )   # backward of l
+
+where static = parameters + optimizer state (``optimizer_bytes_per_param`` per trainable element,
+AdamW 8), resident throughout: the budget is relative to the whole actor-update peak, the figure a
+device reports as its max-allocated memory (``optimizer_bytes_per_param=0`` budgets activations and
+gradients alone).
 
 The full-checkpointing peak is the same formula with every unit ``recompute``. The planner starts
 from all-recompute and greedily applies the upgrade (recompute -> compress, recompute -> full,
@@ -94,6 +99,10 @@ class ActivationConfig:
     seed: int = 0  # stochastic-rounding generator seed
     fused_kernels: bool = False  # torch.compile the (de)quantisation kernels (one-off compile cost)
     head_bytes_per_token: Optional[float] = None  # non-unit activation bytes per token (None: estimate)
+    # Resident during the update besides activations and gradients, so part of the peak the budget is
+    # relative to (as a device's max-allocated figure is): the parameters plus this many optimizer-state
+    # bytes per trainable parameter element (AdamW: two fp32 moments = 8; 0 to budget activations alone).
+    optimizer_bytes_per_param: float = 8.0
 
     def validate(self) -> "ActivationConfig":
         if self.mode not in MODES:
@@ -114,6 +123,9 @@ class ActivationConfig:
             raise ValueError(f"trainer.activation_replan_tolerance={self.replan_tolerance} must be >= 0")
         if not (isinstance(self.profile_steps, int) and self.profile_steps >= 1):
             raise ValueError(f"trainer.activation_profile_steps={self.profile_steps} must be an integer >= 1")
+        if not self.optimizer_bytes_per_param >= 0:
+            raise ValueError(f"trainer.activation_optimizer_bytes_per_param={self.optimizer_bytes_per_param} "
+                             "must be >= 0")
         if self.head_bytes_per_token is not None and not self.head_bytes_per_token >= 0:
             raise ValueError(f"trainer.activation_head_bytes_per_token={self.head_bytes_per_token} must be >= 0")
         return self
@@ -346,6 +358,7 @@ class Profile:
     units: list[UnitProfile]
     head_bytes_per_token: float = 0.0
     other_grad_bytes: float = 0.0  # absolute: trainable parameters outside the units
+    static_bytes: float = 0.0  # absolute: parameters + optimizer state, resident throughout the update
 
 
 @dataclass
@@ -379,7 +392,7 @@ def _peaks(prof: Profile, plan: list[str], tokens: int) -> list[float]:
             trans.append(n * (u.full_bytes - (u.in_bytes if u.input_saved else 0.0)))
     grads = [u.grad_bytes for u in prof.units]
     total_grads = sum(grads) + prof.other_grad_bytes
-    fwd_end = sum(stored) + head
+    fwd_end = sum(stored) + head + prof.static_bytes
     out = []
     for fresh in (True, False):
         peak = fwd_end + (0.0 if fresh else total_grads)
@@ -388,7 +401,7 @@ def _peaks(prof: Profile, plan: list[str], tokens: int) -> list[float]:
         for l in range(len(stored) - 1, -1, -1):
             suffix_grads += grads[l]
             g = prof.other_grad_bytes + suffix_grads if fresh else total_grads
-            peak = max(peak, prefix[l] + trans[l] + head + g)
+            peak = max(peak, prefix[l] + trans[l] + head + g + prof.static_bytes)
         out.append(peak)
     return out
 
@@ -788,7 +801,10 @@ class ActivationManager:
                                      st.fwd_s, st.comp_s, err, grads))
         other = float(sum(p.numel() * p.element_size() for p in self.model.parameters()
                           if p.requires_grad and id(p) not in unit_params))
-        self.profile = Profile(units, head, other)
+        params = list(self.model.parameters())
+        static = float(sum(p.numel() * p.element_size() for p in params)
+                       + self.cfg.optimizer_bytes_per_param * sum(p.numel() for p in params if p.requires_grad))
+        self.profile = Profile(units, head, other, static)
 
 
 def _sync_fn(t: Optional[Tensor]) -> Callable[[], None]:

@@ -106,6 +106,11 @@ class TrainerConfig:
     activation_memory_budget: float = 1.10  # hilore: x the full-checkpointing peak
     activation_risk_budget: float = 0.05  # hilore: summed compression error x policy-update exposure
     activation_compress: str = "int8"  # hilore: int8 | fp8
+    activation_group_size: int = 64  # hilore: elements per quantisation scale
+    activation_stochastic_rounding: bool = False
+    activation_replan_tolerance: float = 0.1  # hilore: exposure change that triggers a re-plan
+    activation_profile_steps: int = 1  # hilore: micro-batches profiled before the first plan
+    activation_optimizer_bytes_per_param: float = 8.0  # hilore: optimizer state counted in the peak (AdamW 8)
     prompt_sharing: bool = False  # RL algorithms: each prompt computed once per group (trainer/prompt_sharing.py)
 
 
@@ -223,6 +228,12 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"trainer.{key}={getattr(t, key)} must be > 0")
     if t.lr <= 0:
         raise ConfigError(f"trainer.lr={t.lr} must be > 0")
+    if t.activation_group_size < 1 or t.activation_profile_steps < 1:
+        raise ConfigError(f"trainer.activation_group_size={t.activation_group_size} and "
+                          f"trainer.activation_profile_steps={t.activation_profile_steps} must be >= 1")
+    if t.activation_replan_tolerance < 0 or t.activation_optimizer_bytes_per_param < 0:
+        raise ConfigError(f"trainer.activation_replan_tolerance={t.activation_replan_tolerance} and trainer."
+                          f"activation_optimizer_bytes_per_param={t.activation_optimizer_bytes_per_param} must be >= 0")
     if t.activation_memory_budget < 1.0 or t.activation_risk_budget < 0:
         raise ConfigError(f"trainer.activation_memory_budget={t.activation_memory_budget} must be >= 1.0 and "
                           f"trainer.activation_risk_budget={t.activation_risk_budget} >= 0")
