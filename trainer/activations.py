@@ -697,7 +697,10 @@ class ActivationManager:
             ptr = _storage_ptr(t)
             shared = seen.get(ptr)
             if shared is None or shared.owner() is None:  # storage not packed yet (or address reused)
-                shared = _Shared(q.pack(t.as_strided((t.numel(),), (1,), 0)), weakref.ref(t))
+                packed = q.pack(t.as_strided((t.numel(),), (1,), 0))
+                if not bool(torch.isfinite(packed.scale).all()):  # inf / nan inside (e.g. a -inf mask fill)
+                    return t  # kept exactly: a scale of inf would turn every value of its group into nan
+                shared = _Shared(packed, weakref.ref(t))
                 self._live_bytes += shared.packed.nbytes()
                 seen[ptr] = shared
             return _View(shared, t.shape, t.stride())

@@ -260,3 +260,31 @@ def test_hilore_profiles_plans_and_replans():
     mgr.replan()
     assert mgr.profile is None
     mgr.remove()
+
+
+def test_saved_tensors_with_inf_are_kept_exactly():
+    """Shared-prompt replay saves attention masks filled with -inf inside the layers: compressing them
+    would give an inf scale and nan gradients; they are kept as they are, the rest compressed."""
+    from trainer.prompt_sharing import shared_prompt_logprobs
+
+    model = _model()
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 60, (12,), generator=g)
+    ids = torch.stack([torch.cat([prompt, torch.randint(3, 60, (n,), generator=g), torch.zeros(20 - n, dtype=torch.long)])
+                       for n in (20, 9, 14)])
+    attn = (ids != 0).long()
+    attn[:, :12] = 1
+    lengths = torch.full((3,), 12)
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        shared_prompt_logprobs(model, ids, attn, lengths).sum().backward()
+        return _flat([p.grad for p in model.parameters()])
+
+    exact = grads()
+    mgr = install(model, ActivationConfig(mode="hilore", min_numel=256))
+    mgr.force_plan([COMPRESS] * 3)
+    approx = grads()
+    assert torch.isfinite(approx).all() and mgr.metrics()["activations/compressed_bytes"].item() > 0
+    assert F.cosine_similarity(exact.double(), approx.double(), dim=0).item() >= 0.99
+    mgr.remove()
