@@ -107,11 +107,13 @@ def main() -> None:
     if "activations" in parts:
         import hilore_bench
 
-        results["activations"] = hilore_bench.run()
+        results["activations"] = hilore_bench.run(threads=args.threads)
+        print(hilore_bench.report(results["activations"]), flush=True)
     if "sharing" in parts:
         import augtree_bench
 
         results["sharing"] = augtree_bench.run()
+        print("\n" + augtree_bench._table(results["sharing"]), flush=True)
     if "trl" in parts:
         r = ours_vs_trl(args.trl_steps, prompts=8, group=8, max_new_tokens=160, lr=3e-5, threads=args.threads)
         results["trl"] = r

@@ -178,6 +178,36 @@ def run(hidden: int = 512, layers: int = 8, seq: int = 256, batch: int = 4, repe
     return summary
 
 
+def report(s: dict) -> str:
+    """The printed table of a run() result."""
+    out: list = []
+    out.append(f"shape: {s['shape']}")
+    out.append("peak_MB: the whole update (parameters + AdamW state + gradients + activations); above_MB: measured"
+               " peak RSS above parameters + optimizer state")
+    out.append(f"{'mode':<11} {'step_s':>8} {'cpu_s':>8} {'peak_MB':>9} {'above_MB':>9} {'cosine':>8}  plan")
+    for mode, r in s["modes"].items():
+        cos = r.get("grad_cosine")
+        plan = "".join({"full": "F", "compress": "C", "recompute": "R"}[t] for t in r.get("plan", []))
+        cosine = "" if cos is None else f"{cos:.6f}"
+        out.append(f"{mode:<11} {r['step_s']:8.3f} {r['cpu_s']:8.3f} {r['peak_mb']:9.1f} "
+                   f"{r['peak_above_static_mb']:9.1f} {cosine:>8}  {plan}")
+    hl = s["modes"].get("hilore", {})
+    if "saved_full_mb_per_layer" in hl:
+        out.append(f"hooks, per layer (MB): input {[round(x, 1) for x in hl['layer_input_mb']]}")
+        out.append(f"  saved full {[round(x, 1) for x in hl['saved_full_mb_per_layer']]}")
+        out.append(f"  saved int8 {[round(x, 1) for x in hl['saved_int8_mb_per_layer']]}")
+        out.append(f"  recompute ms {[round(x, 1) for x in hl['recompute_ms']]} compress ms "
+                   f"{[round(x, 1) for x in hl['compress_ms']]}")
+        out.append(f"  rel err {[round(x, 5) for x in hl['rel_err']]}")
+        out.append(f"planner: {({k: round(v, 4) for k, v in hl['metrics'].items()})}")
+    if "peak_ratio_hilore_vs_checkpoint" in s:
+        out.append(f"hilore/checkpoint peak: {s['peak_ratio_hilore_vs_checkpoint']:.3f}  "
+                   f"speedup vs checkpoint: wall {s['speedup_hilore_vs_checkpoint_pct']:+.1f}% "
+                   f"cpu-time {s['cpu_speedup_hilore_vs_checkpoint_pct']:+.1f}%  "
+                   f"cosine: {s['grad_cosine_hilore']:.6f}")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", default=None)
@@ -202,28 +232,7 @@ def main() -> None:
         return
     s = run(a.hidden, a.layers, a.seq, a.batch, a.repeats, a.heads, a.inter, a.threads, a.budget, a.risk,
             a.compress, not a.no_fused, tuple(a.modes.split(",")))
-    print(f"shape: {s['shape']}")
-    print("peak_MB: the whole update (parameters + AdamW state + gradients + activations); above_MB: measured"
-          " peak RSS above parameters + optimizer state")
-    print(f"{'mode':<11} {'step_s':>8} {'cpu_s':>8} {'peak_MB':>9} {'above_MB':>9} {'cosine':>8}  plan")
-    for mode, r in s["modes"].items():
-        cos = r.get("grad_cosine")
-        plan = "".join({"full": "F", "compress": "C", "recompute": "R"}[t] for t in r.get("plan", []))
-        print(f"{mode:<11} {r['step_s']:8.3f} {r['cpu_s']:8.3f} {r['peak_mb']:9.1f} {r['peak_above_static_mb']:9.1f} {'' if cos is None else f'{cos:.6f}':>8}  {plan}")
-    hl = s["modes"].get("hilore", {})
-    if "saved_full_mb_per_layer" in hl:
-        print("hooks, per layer (MB): input", [round(x, 1) for x in hl["layer_input_mb"]])
-        print("  saved full", [round(x, 1) for x in hl["saved_full_mb_per_layer"]])
-        print("  saved int8", [round(x, 1) for x in hl["saved_int8_mb_per_layer"]])
-        print("  recompute ms", [round(x, 1) for x in hl["recompute_ms"]], "compress ms",
-              [round(x, 1) for x in hl["compress_ms"]])
-        print("  rel err", [round(x, 5) for x in hl["rel_err"]])
-        print("planner:", {k: round(v, 4) for k, v in hl["metrics"].items()})
-    if "peak_ratio_hilore_vs_checkpoint" in s:
-        print(f"hilore/checkpoint peak: {s['peak_ratio_hilore_vs_checkpoint']:.3f}  "
-              f"speedup vs checkpoint: wall {s['speedup_hilore_vs_checkpoint_pct']:+.1f}% "
-              f"cpu-time {s['cpu_speedup_hilore_vs_checkpoint_pct']:+.1f}%  "
-              f"cosine: {s['grad_cosine_hilore']:.6f}")
+    print(report(s))
     print(json.dumps(s))
 
 
