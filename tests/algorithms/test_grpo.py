@@ -306,3 +306,21 @@ def test_prompt_sharing_gives_the_same_loss_and_gradients():
     shared = grads(model, algo, batch, 8)
     for name, g in flat.items():
         torch.testing.assert_close(shared[name], g, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("sharing", [False, True])
+def test_loss_never_asks_the_model_for_full_logits(sharing):
+    """Log-probs come from final hidden states + the head, chunked: the model is called with
+    logits_to_keep=1, so [B, T, V] logits are never built (what lets a 151k vocabulary fit)."""
+    algo, model, tok, task, batch = rollout()
+    algo.prompt_sharing = sharing
+    calls = []
+    forward = model.forward
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("logits_to_keep", 0))
+        return forward(*args, **kwargs)
+
+    model.forward = spy
+    algo.loss(model, batch, batch.num_targets().float()).loss.backward()
+    assert calls and all(k == 1 for k in calls)
