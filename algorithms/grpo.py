@@ -35,7 +35,7 @@ from __future__ import annotations
 import importlib
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
@@ -44,7 +44,7 @@ from torch import nn
 from algorithms import losses
 from algorithms.base import Batch, RolloutContext, StepOutput
 from algorithms.opsd import (
-    SelfTeacher, encode, export_model, prepare_model, rollout_batch, sample,
+    LoRAOptions, SelfTeacher, encode, export_model, prepare_model, rollout_batch, sample,
     scatter_tokens, student_features,
 )
 from trainer.data import score
@@ -55,7 +55,7 @@ REWARD_MODES = ("answer", "steps", "partial")
 
 
 @dataclass
-class GRPOConfig:
+class GRPOConfig(LoRAOptions):
     supports_prompt_sharing: ClassVar[bool] = True
     name: str = "grpo"
     num_generations: int = 8  # G completions per prompt
@@ -73,11 +73,6 @@ class GRPOConfig:
     loss_type: str = "token-mean"  # token-mean | seq-mean-token-mean | dr_grpo
     loss_chunk_tokens: int = 0  # tokens per logits chunk; 0 = from the vocabulary size
     logprob_batch_size: int = 32  # rows per no-grad forward for old / reference log-probs
-    lora_rank: int = 0
-    lora_alpha: float = 32.0
-    lora_dropout: float = 0.0
-    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                             "gate_proj", "up_proj", "down_proj"])
     seed: int = 0
 
     def validate(self) -> None:

@@ -41,7 +41,18 @@ DIVERGENCES = ("full", "sampled")
 
 
 @dataclass
-class OPSDConfig:
+class LoRAOptions:
+    """LoRA keys shared by the algorithms that can train adapters only (apply_lora)."""
+
+    lora_rank: int = 0  # 0: full fine-tuning
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                             "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
+class OPSDConfig(LoRAOptions):
     needs_reference: ClassVar[bool] = True  # the teacher prompt carries the reference solution
     name: str = "opsd"
     temperature: float = 1.1  # rollout sampling temperature; the divergence uses logits / temperature too
@@ -54,11 +65,6 @@ class OPSDConfig:
     teacher_top_k: int = 0  # > 0: both distributions restricted to the teacher's top-k, renormalised
     loss_chunk_tokens: int = 0  # tokens per logits chunk in the loss; 0 = from the vocabulary size (~256 MiB of logits)
     teacher_batch_size: int = 32  # rows per no-grad teacher forward
-    lora_rank: int = 0  # 0: full fine-tuning
-    lora_alpha: float = 32.0
-    lora_dropout: float = 0.0
-    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                             "gate_proj", "up_proj", "down_proj"])
     seed: int = 0
 
     def validate(self) -> None:

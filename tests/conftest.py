@@ -42,3 +42,18 @@ def subprocess_env():
     env["OMP_NUM_THREADS"] = "1"
     env["WANDB_MODE"] = "disabled"
     return env
+
+
+def torchrun_train(out, env, *overrides: str, algo: str, nproc: int = 2, timeout: int = 420) -> list[dict]:
+    """`torchrun --standalone --nproc_per_node=N train.py +algo=ALGO` on the tiny config; asserts it
+    succeeded and returns the metrics.jsonl records."""
+    import json
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / "train.py"), *tiny_overrides(out, *overrides, algo=algo)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    records.append({"split": "stdout", "text": proc.stdout})
+    return records

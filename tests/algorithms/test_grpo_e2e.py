@@ -2,13 +2,12 @@
 shared-prompt replay + HiLoRe activation management switched on."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import ROOT, tiny_overrides
+from tests.conftest import ROOT, tiny_overrides, torchrun_train
 
 GRPO = ["trainer.max_new_tokens=24", "trainer.max_steps=2", "trainer.batch_size=4", "trainer.micro_batch_size=4",
         "algo.num_generations=4"]
@@ -20,11 +19,7 @@ GRPO = ["trainer.max_new_tokens=24", "trainer.max_steps=2", "trainer.batch_size=
 ], ids=["plain", "sharing-hilore"])
 def test_torchrun_two_ranks_end_to_end(tmp_path, subprocess_env, extra):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
-           *tiny_overrides(out, *GRPO, *extra, algo="grpo")]
-    proc = subprocess.run(cmd, env=subprocess_env, capture_output=True, text=True, timeout=420, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = torchrun_train(out, subprocess_env, *GRPO, *extra, algo="grpo")[:-1]
     train = [x for x in lines if x["split"] == "train"]
     assert [x["step"] for x in train] == [1, 2]
     for x in train:
@@ -45,13 +40,9 @@ def test_prompt_sharing_needs_grouped_rollouts(tmp_path, subprocess_env):
 
 def test_resume_on_two_ranks_continues_each_ranks_rollout_stream(tmp_path, subprocess_env):
     """4 steps in one go == 2 steps, stop, resume, 2 more: every rank's sampling generator is saved."""
-    def run(out, steps, *extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(ROOT / "train.py"), *tiny_overrides(out, *GRPO, f"trainer.max_steps={steps}", "trainer.save_every=2",
-                                                       *extra, algo="grpo")]
-        proc = subprocess.run(cmd, env=subprocess_env, capture_output=True, text=True, timeout=420, cwd=ROOT)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    def run(out, steps):
+        rows = torchrun_train(out, subprocess_env, *GRPO, f"trainer.max_steps={steps}", "trainer.save_every=2",
+                              algo="grpo")
         return {x["step"]: (x["loss"], x["rollout/reward"], x["rollout/length"]) for x in rows if x["split"] == "train"}
 
     whole = run(tmp_path / "whole", 4)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, tiny_overrides
+from tests.conftest import ROOT, tiny_overrides, torchrun_train
 
 ROLLOUT = ["trainer.max_new_tokens=24", "trainer.max_steps=2"]
 
@@ -20,11 +20,8 @@ ROLLOUT = ["trainer.max_new_tokens=24", "trainer.max_steps=2"]
 ])
 def test_torchrun_two_ranks_end_to_end(tmp_path, subprocess_env, algo, extra, metric):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
-           *tiny_overrides(out, *ROLLOUT, *extra, algo=algo)]
-    proc = subprocess.run(cmd, env=subprocess_env, capture_output=True, text=True, timeout=420, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = torchrun_train(out, subprocess_env, *ROLLOUT, *extra, algo=algo)
+    stdout = lines.pop()["text"]
     train = [x for x in lines if x["split"] == "train"]
     assert [x["step"] for x in train] == [1, 2]
     assert all(metric in x and "rollout/reward" in x for x in train)
@@ -32,7 +29,7 @@ def test_torchrun_two_ranks_end_to_end(tmp_path, subprocess_env, algo, extra, me
     evals = [x for x in lines if x["split"] == "eval"]
     assert [x["step"] for x in evals] == [0, 2]  # before and after
     assert all("accuracy" in x and "teacher_accuracy" in x for x in evals)  # student and teacher prompts
-    assert "held-out accuracy (n=8): step 0" in proc.stdout
+    assert "held-out accuracy (n=8): step 0" in stdout
     assert (out / "final" / "model.safetensors").exists()
 
 
