@@ -44,8 +44,10 @@ freed and unit l adds a transient: recompute -> its saved tensors minus its (alr
 compress -> its largest tensor being dequantised, full -> 0. Non-unit activations (the logits / head
 part) add ``N * head_bytes_per_token`` throughout (default: vocab * (dtype bytes + 4): one logits
 row in the model dtype and one fp32 log-softmax row per token). Parameter gradients are counted in
-two scenarios -- allocated as backward reaches each unit (first micro-batch of a step) and all
-present (accumulation) -- and a plan must fit both::
+two scenarios -- allocated as backward reaches each unit (no gradient held yet: a step's first
+micro-batch) and all present (a later micro-batch, accumulating) -- and the manager plans each
+micro-batch for the scenario that holds for it (checked from the parameters' .grad), so a step's
+later micro-batches may get a leaner plan than its first::
 
     peak = static + max( sum_l stored_l + head,                                  # end of forward
                          max_l [ sum_{j<=l} stored_j + transient_l + head + grads(l) ] )   # backward of l
@@ -424,11 +426,15 @@ def _risk(prof: Profile, plan: list[str], exposure: float) -> float:
     return sum(u.err * exposure for u, t in zip(prof.units, plan) if t == COMPRESS)
 
 
-def estimate(prof: Profile, plan: list[str], tokens: int, exposure: float) -> PlanEstimate:
+FRESH, ACCUMULATED = 0, 1  # gradient scenarios of _peaks: grads allocated during backward / present from the start
+
+
+def estimate(prof: Profile, plan: list[str], tokens: int, exposure: float,
+             scenarios: tuple[int, ...] = (FRESH, ACCUMULATED)) -> PlanEstimate:
     gc = [RECOMPUTE] * len(prof.units)
     peaks, gc_peaks = _peaks(prof, plan, tokens), _peaks(prof, gc, tokens)
-    ratio = max(p / max(g, 1.0) for p, g in zip(peaks, gc_peaks))
-    worst = max(range(len(peaks)), key=lambda i: peaks[i] / max(gc_peaks[i], 1.0))
+    ratio = max(peaks[i] / max(gc_peaks[i], 1.0) for i in scenarios)
+    worst = max(scenarios, key=lambda i: peaks[i] / max(gc_peaks[i], 1.0))
     n = float(tokens)
     stored = sum(n * (u.full_bytes if t == FULL else u.comp_bytes if t == COMPRESS else u.in_bytes)
                  for u, t in zip(prof.units, plan))
@@ -436,18 +442,20 @@ def estimate(prof: Profile, plan: list[str], tokens: int, exposure: float) -> Pl
                         _risk(prof, plan, exposure), _cost(prof, plan, tokens), _cost(prof, gc, tokens), stored)
 
 
-def plan_units(prof: Profile, tokens: int, exposure: float, memory_budget: float, risk_budget: float
-               ) -> PlanEstimate:
+def plan_units(prof: Profile, tokens: int, exposure: float, memory_budget: float, risk_budget: float,
+               scenarios: tuple[int, ...] = (FRESH, ACCUMULATED)) -> PlanEstimate:
     """Plan for a micro-batch of `tokens` tokens at exposure `exposure`.
 
     Greedy with a few starts: from all-recompute (the checkpointing plan), from all-compress and from
     the longest all-compress prefix / suffix that fit, apply the upgrade (recompute -> compress,
     recompute -> full, compress -> full) with the best estimated time saved per byte of peak added,
     while the peak stays within `memory_budget` x the checkpointing peak (both gradient scenarios) and
-    the risk within `risk_budget`. The cheapest plan found wins."""
+    the risk within `risk_budget`. The cheapest plan found wins. `scenarios`: the gradient scenarios
+    the plan must fit (the manager passes the one that holds for the micro-batch: FRESH when no
+    gradient exists yet, as on a step's first micro-batch, ACCUMULATED otherwise)."""
     n = len(prof.units)
     gc_peaks = _peaks(prof, [RECOMPUTE] * n, tokens)
-    limits = [memory_budget * g * (1 + 1e-9) for g in gc_peaks]
+    limits = [memory_budget * g * (1 + 1e-9) if i in scenarios else math.inf for i, g in enumerate(gc_peaks)]
 
     def feasible(plan: list[str]) -> bool:
         return (_risk(prof, plan, exposure) <= risk_budget + 1e-12
@@ -468,7 +476,7 @@ def plan_units(prof: Profile, tokens: int, exposure: float, memory_budget: float
         cost = _cost(prof, plan, tokens)
         if best is None or cost < best[0] - 1e-15:
             best = (cost, plan)
-    return estimate(prof, best[1], tokens, exposure)
+    return estimate(prof, best[1], tokens, exposure, scenarios)
 
 
 def _greedy(prof: Profile, plan: list[str], tokens: int, exposure: float, limits: list[float],
@@ -546,6 +554,8 @@ class ActivationManager:
         self._exposure_tokens: Optional[int] = None
         self._estimate: Optional[PlanEstimate] = None
         self._live_bytes = 0.0  # bytes kept by the compress hooks in the current micro-batch
+        self._trainable = [p for p in model.parameters() if p.requires_grad]
+        self._scenario = FRESH
         if cfg.fused_kernels:
             self._warm_kernels()
         self._own_forward = []  # whether `forward` was an instance attribute before install
@@ -667,11 +677,14 @@ class ActivationManager:
             self._profiling = True
             self._plan = [RECOMPUTE] * len(self.layers)
             return
-        if (self._estimate is None or tokens != self._estimate.tokens
+        # Gradients already held (a later micro-batch of the step) stay resident through the whole
+        # backward; on a step's first micro-batch they are allocated as backward proceeds.
+        scenario = ACCUMULATED if any(p.grad is not None for p in self._trainable) else FRESH
+        if (self._estimate is None or tokens != self._estimate.tokens or scenario != self._scenario
                 or abs(self._exposure - self._estimate.exposure) > self.cfg.replan_tolerance):
             self._estimate = plan_units(self.profile, tokens, self._exposure, self.cfg.memory_budget,
-                                        self.cfg.risk_budget)
-            self._plan = list(self._estimate.plan)
+                                        self.cfg.risk_budget, (scenario,))
+            self._plan, self._scenario = list(self._estimate.plan), scenario
 
     def _skip_ptrs(self, i: int, kwargs: dict) -> set:
         """Storages never compressed in unit i: its parameters and tensors shared across units."""

@@ -288,3 +288,37 @@ def test_saved_tensors_with_inf_are_kept_exactly():
     assert torch.isfinite(approx).all() and mgr.metrics()["activations/compressed_bytes"].item() > 0
     assert F.cosine_similarity(exact.double(), approx.double(), dim=0).item() >= 0.99
     mgr.remove()
+
+
+def test_gradient_scenarios_hand_computed():
+    """2 units, 1000 tokens: input 1 MB, saved 28 MB (27 MB recompute transient), compressed 8 MB
+    (4 MB dequantised transient), 10 MB of gradients per unit.
+    Checkpointing: fresh max(29 + 10, 28 + 20) = 48 MB; accumulated 29 + 20 = 49 MB.
+    [compress, recompute]: fresh max(9 + 27 + 10, 8 + 4 + 20) = 46 MB; accumulated 9 + 27 + 20 = 56 MB."""
+    from trainer.activations import ACCUMULATED, FRESH
+
+    prof = _synthetic(n=2, grads=10e6)
+    fresh = estimate(prof, [COMPRESS, RECOMPUTE], 1000, 0.0, (FRESH,))
+    accumulated = estimate(prof, [COMPRESS, RECOMPUTE], 1000, 0.0, (ACCUMULATED,))
+    assert (fresh.peak, fresh.checkpoint_peak) == pytest.approx((46e6, 48e6))
+    assert (accumulated.peak, accumulated.checkpoint_peak) == pytest.approx((56e6, 49e6))
+    # budget 1.10: keeping the last unit in full fits while no gradient is held yet ([C, F]: fresh
+    # max(36 + 10, 8 + 4 + 20) = 46 MB), not once they are all held (36 + 20 = 56 MB > 1.1 x 49)
+    assert plan_units(prof, 1000, 0.0, 1.10, 1.0, (FRESH,)).plan == [COMPRESS, FULL]
+    assert plan_units(prof, 1000, 0.0, 1.10, 1.0, (ACCUMULATED,)).plan == [COMPRESS, COMPRESS]
+
+
+def test_manager_plans_for_the_gradients_it_finds():
+    from trainer.activations import ACCUMULATED, FRESH
+
+    model, ids = _model(), _ids(b=2, t=64)
+    mgr = install(model, ActivationConfig(mode="hilore", min_numel=1024))
+    _step(model, ids, mgr)  # profiling micro-batch
+    _step(model, ids, mgr)  # zero_grad(set_to_none) first: a step's first micro-batch
+    assert mgr._scenario == FRESH
+    mgr.set_exposure(None)
+    model(input_ids=ids).logits.sum().backward()  # grads now held: the next micro-batch accumulates
+    mgr.set_exposure(None)
+    model(input_ids=ids).logits.sum().backward()
+    assert mgr._scenario == ACCUMULATED
+    mgr.remove()
