@@ -66,7 +66,8 @@ def _reset_peak() -> int:
 
 
 def worker(mode: str, hidden: int, layers: int, heads: int, inter: int, seq: int, batch: int, repeats: int,
-           threads: int, grad_path: str, budget: float, risk: float, compress: str, fused: bool) -> dict:
+           threads: int, grad_path: str, budget: float, risk: float, compress: str, fused: bool,
+           force_plan: str = "") -> dict:
     import torch
 
     from models.loading import TinySpec, build_tiny
@@ -105,6 +106,10 @@ def worker(mode: str, hidden: int, layers: int, heads: int, inter: int, seq: int
     warm = 3 if mode == "hilore" else 1  # hilore: 2 profiling steps + 1 planned step
     for _ in range(warm):
         step()
+    planned = mgr.plan() if mgr is not None else None
+    if force_plan and mgr is not None:  # the memory run measures the plan the timed run's planner chose
+        mgr.force_plan([{"F": "full", "C": "compress", "R": "recompute"}[c] for c in force_plan])
+        step()
     times, cpu, peaks = [], [], []
     for _ in range(repeats):
         model.zero_grad(set_to_none=True)
@@ -123,7 +128,7 @@ def worker(mode: str, hidden: int, layers: int, heads: int, inter: int, seq: int
            "peak_above_static_mb": max(peaks), "static_mb": static_mb,
            "params_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20}
     if mgr is not None:
-        out["plan"] = mgr.plan()
+        out["plan"], out["planned"] = mgr.plan(), planned
         out["metrics"] = {k: float(v) for k, v in mgr.metrics().items()}
         if mgr.profile is not None:
             n = n_tok + batch  # tokens through the layers (full sequence)
@@ -158,14 +163,17 @@ def run(hidden: int = 512, layers: int = 8, seq: int = 256, batch: int = 4, repe
             base_env = dict(os.environ, OMP_NUM_THREADS=str(threads))
             memory_env = dict(base_env, MALLOC_ARENA_MAX="2", MALLOC_MMAP_THRESHOLD_="131072")
             measured = {}
-            for kind, env in (("memory", memory_env), ("time", base_env)):
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            for kind, env in (("time", base_env), ("memory", memory_env)):
+                extra = []
+                if kind == "memory" and measured["time"].get("plan"):  # the same plan in both processes
+                    extra = ["--force-plan", "".join(t[0].upper() for t in measured["time"]["plan"])]
+                proc = subprocess.run(cmd + extra, capture_output=True, text=True, env=env)
                 if proc.returncode != 0:
                     raise RuntimeError(f"{mode} worker failed:\n{proc.stderr[-3000:]}")
                 measured[kind] = json.loads(proc.stdout.strip().splitlines()[-1])
             results[mode] = {**measured["memory"], **{k: measured["time"][k] for k in
                                                       ("step_s", "times", "cpu_s", "cpu_times")}}
-            results[mode]["plan_timed"] = measured["time"].get("plan")
+            results[mode]["planned_in_memory_run"] = measured["memory"].get("planned")
         import torch
 
         ref = torch.load(os.path.join(tmp, "none.pt")) if "none" in modes else None
@@ -199,8 +207,8 @@ def report(s: dict) -> str:
         cos = r.get("grad_cosine")
         letters = {"full": "F", "compress": "C", "recompute": "R"}
         plan = "".join(letters[t] for t in r.get("plan", []))
-        if r.get("plan_timed") and r["plan_timed"] != r.get("plan"):
-            plan += " (timed run: " + "".join(letters[t] for t in r["plan_timed"]) + ")"
+        if r.get("planned_in_memory_run") and r["planned_in_memory_run"] != r.get("plan"):
+            plan += " (the memory run's own planner: " + "".join(letters[t] for t in r["planned_in_memory_run"]) + ")"
         cosine = "" if cos is None else f"{cos:.6f}"
         out.append(f"{mode:<11} {r['step_s']:8.3f} {r['cpu_s']:8.3f} {r['peak_mb']:9.1f} "
                    f"{r['peak_above_static_mb']:9.1f} {cosine:>8}  {plan}")
@@ -238,10 +246,12 @@ def main() -> None:
     ap.add_argument("--no-fused", action="store_true", help="eager (de)quantisation kernels")
     ap.add_argument("--modes", default="none,checkpoint,hilore")
     ap.add_argument("--grad-path", default=None)
+    ap.add_argument("--force-plan", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         print(json.dumps(worker(a.worker, a.hidden, a.layers, a.heads, a.inter, a.seq, a.batch, a.repeats,
-                                a.threads, a.grad_path, a.budget, a.risk, a.compress, not a.no_fused)))
+                                a.threads, a.grad_path, a.budget, a.risk, a.compress, not a.no_fused,
+                                a.force_plan)))
         return
     s = run(a.hidden, a.layers, a.seq, a.batch, a.repeats, a.heads, a.inter, a.threads, a.budget, a.risk,
             a.compress, not a.no_fused, tuple(a.modes.split(",")))
