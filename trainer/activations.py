@@ -743,6 +743,7 @@ class ActivationManager:
 
         refs: dict[int, int] = {}  # packed storage -> saved references (each one unpacks in backward)
         unpack_s: dict[int, float] = {}
+        nonfinite: set = set()
 
         def pack(t: Tensor):
             ptr = _storage_ptr(t)
@@ -752,7 +753,7 @@ class ActivationManager:
             storages[ptr] = max(storages.get(ptr, 0), nbytes)
             if ptr == in_ptr:
                 acc["input"] = True
-            if not self._eligible(t, skip):
+            if ptr in nonfinite or not self._eligible(t, skip):
                 kept[ptr] = max(kept.get(ptr, 0), nbytes)
                 return t
             refs[ptr] = refs.get(ptr, 0) + 1
@@ -764,6 +765,11 @@ class ActivationManager:
             p = q.pack(flat)
             sync()
             s1 = time.perf_counter()
+            if not bool(torch.isfinite(p.scale).all()):  # holds inf/nan: the compress hook keeps it exact
+                nonfinite.add(ptr)
+                refs.pop(ptr)
+                kept[ptr] = max(kept.get(ptr, 0), nbytes)
+                return t
             r = q.unpack(p)
             sync()
             acc["t"] += s1 - s0
