@@ -63,7 +63,11 @@ def accuracy_summary(evals: list[dict]) -> str:
     first, last = evals[0], evals[-1]
     teacher = f" (teacher prompt with reference {first['teacher_accuracy']:.3f})" if "teacher_accuracy" in first else ""
     before = f"step {first['step']} {first['accuracy']:.3f}{teacher}"
-    return f"held-out accuracy (n={last['n']}): {before} -> step {last['step']} {last['accuracy']:.3f}"
+    line = f"held-out accuracy (n={last['n']}): {before} -> step {last['step']} {last['accuracy']:.3f}"
+    if "seed/mean_accepted" in first:  # a drafter: tokens per verify forward of self-speculative decoding
+        line += (f"\nmean accepted length (greedy, tokens per verify forward): step {first['step']} "
+                 f"{first['seed/mean_accepted']:.2f} -> step {last['step']} {last.get('seed/mean_accepted', float('nan')):.2f}")
+    return line
 
 
 if __name__ == "__main__":

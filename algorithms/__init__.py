@@ -5,6 +5,7 @@ A test checks this registry matches configs/algo/*.yaml.
 from algorithms.grpo import GRPO, GRPOConfig
 from algorithms.mass import MASS, MASSConfig
 from algorithms.opsd import OPSD, OPSDConfig
+from algorithms.seed import SEED, SEEDConfig
 from algorithms.sft import SFT, SFTConfig
 from algorithms.tesd import TESD, TESDConfig
 
@@ -15,6 +16,7 @@ REGISTRY: dict[str, tuple[type, type]] = {
     "mass": (MASSConfig, MASS),
     "tesd": (TESDConfig, TESD),
     "grpo": (GRPOConfig, GRPO),
+    "seed": (SEEDConfig, SEED),
 }
 
 

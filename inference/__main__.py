@@ -5,6 +5,12 @@ the prompt with the Engine, stopping at the tokenizer's eos token, and prints th
 
     python -m inference runs/x/final --prompt "12+7=" --max-new-tokens 32            # greedy
     python -m inference runs/x/final --prompt "12+7=" --temperature 0.8 --top-p 0.95 --seed 1
+    python -m inference runs/x/final --prompt "12+7=" --speculative seed        # SEED self-drafting
+    python -m inference runs/x/final --prompt "12+7=" --speculative external --drafter runs/small/final
+
+With --speculative the completion is followed by a stderr line with the acceptance length (mean
+tokens per verify forward) and tokens/s. `--speculative seed` reads DIR/seed_drafter.json when
+present (else the defaults); `--drafter DIR2` alone implies `--speculative external`.
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import sys
 import torch
 
 # Flags whose fast paths later issues add; they are accepted now so the CLI surface is stable.
-NOT_YET = {"drafter": "speculative decoding with a drafter", "adapter": "loading a PEFT adapter"}
+NOT_YET = {"adapter": "loading a PEFT adapter"}
 EXIT_UNSUPPORTED = 2
 
 
@@ -28,13 +34,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--drafter", metavar="DIR", help="drafter model dir (not supported yet)")
+    parser.add_argument("--speculative", choices=("seed", "external"),
+                        help="speculative decoding: SEED self-drafting or an external --drafter")
+    parser.add_argument("--drafter", metavar="DIR", help="drafter model dir (implies --speculative external)")
+    parser.add_argument("--draft-len", type=int, default=None, help="max drafts per verify")
     parser.add_argument("--adapter", metavar="DIR", help="PEFT adapter dir (not supported yet)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.drafter and args.speculative is None:
+        args.speculative = "external"
+    if args.speculative == "external" and not args.drafter:
+        print("error: --speculative external needs --drafter DIR", file=sys.stderr)
+        return EXIT_UNSUPPORTED
+    if args.speculative == "seed" and args.drafter:
+        print("error: --drafter is only used with --speculative external", file=sys.stderr)
+        return EXIT_UNSUPPORTED
     for flag, what in NOT_YET.items():
         if getattr(args, flag):
             print(f"error: --{flag} ({what}) is not supported yet", file=sys.stderr)
@@ -54,9 +71,34 @@ def main(argv: list[str] | None = None) -> int:
     )
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     prompt_ids = tokenizer.encode(args.prompt)
-    completion = Engine(model).generate([prompt_ids], params, generator)[0]
+    if args.speculative is None:
+        completion = Engine(model).generate([prompt_ids], params, generator)[0]
+    else:
+        completion = _speculative(args, model, prompt_ids, params, generator)
     print(tokenizer.decode(completion.tokens, skip_special_tokens=True))
     return 0
+
+
+def _speculative(args, model, prompt_ids, params, generator):
+    """Generate with speculative decoding; report acceptance length and tokens/s on stderr."""
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    from inference.speculative import SpeculativeDecoder
+
+    overrides = {} if args.draft_len is None else {"draft_len": args.draft_len}
+    if args.speculative == "seed":
+        decoder = SpeculativeDecoder.from_pretrained_dir(model, args.model_dir, **overrides)
+    else:
+        drafter = AutoModelForCausalLM.from_pretrained(args.drafter).to(args.device).eval()
+        decoder = SpeculativeDecoder(model, mode="external", drafter=drafter, **overrides)
+    start = time.perf_counter()
+    [completion], stats = decoder.generate([prompt_ids], params, generator)
+    seconds = time.perf_counter() - start
+    print(f"[speculative {args.speculative}] acceptance length {stats.mean_accepted:.2f} tokens/verify, "
+          f"{len(completion.tokens) / max(seconds, 1e-9):.1f} tokens/s", file=sys.stderr)
+    return completion
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ from trainer.distributed import World
 from trainer.evaluation import evaluate
 
 
+DRAFTER_EVAL_EXAMPLES = 32  # held-out prompts for the speculative-decoding acceptance metric
+
+
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN/inf; the run stops without saving, so the last good checkpoint stays."""
 
@@ -171,6 +174,9 @@ def run_eval(s: Session) -> dict:
         teacher = evaluate(model, s.tokenizer, s.task, examples, s.world, t.eval_max_new_tokens,
                            prompt=lambda ex: s.task.teacher_prompt(ex, ex.solution))
         result["teacher_accuracy"] = teacher["accuracy"]
+    drafter = getattr(s.algo, "evaluate_drafter", None)
+    if drafter is not None and s.world.is_main:  # e.g. SEED: mean tokens per verify forward, greedy
+        result.update(drafter(model, s.tokenizer, s.task, examples[:DRAFTER_EVAL_EXAMPLES], t.eval_max_new_tokens))
     record = {"step": s.step, "split": "eval", **result}
     s.tracker.log(record)
     s.evals.append(record)

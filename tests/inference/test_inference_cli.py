@@ -40,7 +40,7 @@ def test_cli_generates_and_matches_engine(model_dir):
     assert result.stdout.rstrip("\n") == expected and expected
 
 
-@pytest.mark.parametrize("flag", ["--drafter", "--adapter"])
+@pytest.mark.parametrize("flag", ["--adapter"])
 def test_cli_unsupported_flags_exit_clearly(tmp_path, capsys, flag):
     from inference.__main__ import main
 

@@ -1,0 +1,318 @@
+"""SEED: train the model's own top layers to draft for it (self-speculative encoder-decoder drafter).
+
+The model (L decoder layers) is split at `decoder_layers` = k: the top k layers are the *decoder*
+that drafts, with weights tied to the model (it is the same model). At inference
+(inference/speculative.py, mode "seed") a block of draft tokens is produced by feeding each token's
+embedding through the top k layers only, attending to the full model's cached K/V of the verified
+prefix and to the drafter's own K/V of the tokens drafted so far in the block; one full forward then
+verifies the block and its K/V becomes the new cache.
+
+Training (full fine-tuning) mimics that per sequence (prompt + target tokens):
+
+  * L_full: the normal next-token CE of the full forward over the target tokens.
+  * L_dec: the decoder pass. The target part of the row is cut into consecutive blocks of
+    `block_size` B tokens aligned at the first target token P (the token the full model itself
+    produces before drafting starts): blocks [P, P+B), [P+B, P+2B), ... A position t in the block
+    starting at s = block_start(t) takes the token EMBEDDING of x_t (no lower layers) at its true
+    position t (RoPE) through layers L-k..L-1; in layer l it attends to the full forward's K/V of
+    layer l at positions < s and to the decoder pass's own K/V of layer l at positions s..t
+    (causal within the block); final norm + lm_head predict x_{t+1}. Trained wherever x_{t+1} is
+    a target token, i.e. every target but the first of the row (the full model predicts that one).
+    All positions of all blocks run in ONE batched pass: each top layer's attention reads the
+    concatenation [full-model input states of the row (T) ; decoder states of the row (T)] with a
+    4-D mask -- query t sees full key j iff j < block_start(t) and decoder key j iff
+    block_start(t) <= j <= t. The full K/V come from the same (grad-carrying) full forward, so
+    L_dec also trains the full model's top-layer K/V of the prefix (which the drafter reads).
+  * loss = (L_full + lam * L_dec) / (1 + lam); both sums are divided by the trainer's normaliser
+    (the global count of target tokens), so gradient accumulation is exact.
+
+Data (`data_source`): `solutions` (the task's worked solution + EOS after the student prompt, like
+SFT) or `self` (completions sampled from the current model at `self_temperature`, 0 = greedy, so
+the drafter learns what the model will actually say).
+
+Export: the fine-tuned model + tokenizer and `seed_drafter.json` (decoder_layers, block_size,
+draft_len, confidence) for the runtime.
+
+    python train.py +algo=seed trainer.max_steps=200
+    python train.py +algo=seed algo.data_source=self algo.decoder_layers=4
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from algorithms import losses
+from algorithms.base import Batch, RolloutContext, StepOutput, pad_right
+from algorithms.opsd import completion_mask, encode, output_head, sample, unwrap
+
+log = logging.getLogger(__name__)
+
+DATA_SOURCES = ("solutions", "self")
+DRAFTER_FILE = "seed_drafter.json"
+
+
+@dataclass
+class SEEDConfig:
+    name: str = "seed"
+    decoder_layers: int = 2  # k: the top k layers draft (1 <= k < the model's layer count)
+    block_size: int = 4  # B: tokens per training block (the draft length the decoder pass mimics)
+    lam: float = 1.0  # weight of the decoder loss: (L_full + lam L_dec) / (1 + lam)
+    data_source: str = "solutions"  # solutions | self
+    self_temperature: float = 0.0  # data_source=self: sampling temperature (0 = greedy)
+    draft_len: int = 4  # runtime: max drafted tokens per verify (written to seed_drafter.json, used in eval)
+    confidence: float = 0.7  # runtime: stop drafting when the drafter's top probability falls below this
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.decoder_layers < 1:
+            raise ValueError(f"algo.decoder_layers={self.decoder_layers} must be >= 1")
+        if self.block_size < 1:
+            raise ValueError(f"algo.block_size={self.block_size} must be >= 1")
+        if self.lam < 0:
+            raise ValueError(f"algo.lam={self.lam} must be >= 0")
+        if self.data_source not in DATA_SOURCES:
+            raise ValueError(f"algo.data_source={self.data_source} is not one of {', '.join(DATA_SOURCES)}")
+        if self.self_temperature < 0:
+            raise ValueError(f"algo.self_temperature={self.self_temperature} must be >= 0 (0 = greedy)")
+        if self.draft_len < 1:
+            raise ValueError(f"algo.draft_len={self.draft_len} must be >= 1")
+        if not 0.0 <= self.confidence <= 1.0:
+            raise ValueError(f"algo.confidence={self.confidence} must be in [0, 1]")
+
+
+# --- model plumbing ---------------------------------------------------------------------------------
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The HF *ForCausalLM inside wrappers (DDP / DeepSpeed / PEFT)."""
+    inner = unwrap(model)
+    if hasattr(inner, "get_base_model"):
+        inner = inner.get_base_model()
+    return inner
+
+
+def check_split(model: nn.Module, decoder_layers: int) -> None:
+    lm = causal_lm(model)
+    layers = getattr(getattr(lm, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"SEED needs a decoder-only model with model.layers; got {type(lm).__name__}")
+    n = len(layers)
+    if not 1 <= decoder_layers < n:
+        raise ValueError(f"algo.decoder_layers={decoder_layers} must be >= 1 and < the model's {n} layers")
+    types = getattr(lm.config, "layer_types", None) or []
+    if any(kind != "full_attention" for kind in types):
+        raise ValueError("SEED's decoder pass supports full attention only; the model has layer types "
+                         f"{sorted(set(types))}")
+
+
+def block_starts(loss_mask: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(B, T) long: the start of the block holding each position. Blocks of `block_size` tokens are
+    aligned at each row's first target token P (blocks [P, P+B), [P+B, P+2B), ...); positions before
+    P (the prompt), and whole rows without targets, form blocks of one token (start = t).
+
+    Example: P = 3, B = 2, T = 8 -> [0, 1, 2, 3, 3, 5, 5, 7].
+    """
+    T = loss_mask.shape[1]
+    t = torch.arange(T, device=loss_mask.device)[None, :].expand_as(loss_mask)  # (B, T)
+    has = loss_mask.bool().any(1)  # (B,)
+    first = torch.where(has, loss_mask.bool().float().argmax(1), torch.full_like(has, T, dtype=torch.long))  # (B,)
+    rel = t - first[:, None]
+    inside = rel >= 0
+    starts = first[:, None] + torch.div(rel.clamp(min=0), block_size, rounding_mode="floor") * block_size
+    return torch.where(inside, starts, t)
+
+
+def decoder_mask(starts: torch.Tensor, attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention mask (B, 1, 2T, 2T) over [full states (T) ; decoder states (T)].
+
+    Rows 0..T-1 (full-state queries, whose outputs are discarded) see full keys causally; row T+t
+    (decoder query t) sees full key j iff j < starts[t] (and j is a real token), decoder key j iff
+    starts[t] <= j <= t. Every row sees at least its own key, so no softmax row is empty.
+    """
+    B, T = starts.shape
+    device = starts.device
+    j = torch.arange(T, device=device)
+    valid = attention_mask.bool()[:, None, :]  # (B, 1, T) keys that are real tokens
+    causal = (j[None, :] <= j[:, None])[None] & valid | torch.eye(T, dtype=torch.bool, device=device)[None]  # (B, T, T)
+    s = starts[:, :, None]  # (B, T, 1)
+    t = j[None, :, None]  # (1, T, 1)
+    see_full = (j[None, None, :] < s) & valid  # (B, T, T)
+    see_dec = (j[None, None, :] >= s) & (j[None, None, :] <= t)  # (B, T, T)
+    allowed = torch.cat([torch.cat([causal, torch.zeros_like(causal)], 2), torch.cat([see_full, see_dec], 2)], 1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]  # (B, 1, 2T, 2T)
+
+
+def full_forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, decoder_layers: int
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One full forward (through any wrapper, with grad): (final normed hidden (B, T, H), the input
+    hidden states of each of the top `decoder_layers` layers, bottom first)."""
+    lm = causal_lm(model)
+    layers = lm.model.layers[len(lm.model.layers) - decoder_layers:]
+    store: dict[str, Any] = {"inputs": []}
+
+    def pre_hook(module, args, kwargs):
+        store["inputs"].append(args[0] if args else kwargs["hidden_states"])
+
+    def out_hook(module, args, out):
+        store["hidden"] = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+    handles = [layer.register_forward_pre_hook(pre_hook, with_kwargs=True) for layer in layers]
+    handles.append(lm.model.register_forward_hook(out_hook))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1)
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(store["inputs"]) == decoder_layers
+    return store["hidden"], store["inputs"]
+
+
+def decoder_pass(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 full_inputs: Sequence[torch.Tensor], starts: torch.Tensor) -> torch.Tensor:
+    """The batched drafter pass: final normed hidden states (B, T, H) of the top-k layers run on the
+    token embeddings, each position t attending to `full_inputs`' K/V before its block start and to
+    its own block's decoder K/V up to t (see `decoder_mask`). full_inputs[i]: the full forward's
+    input states (B, T, H) of the i-th top layer (the layer projects them to its K/V itself).
+
+    Each top layer runs with its own modules: input norm, then its attention module over the
+    concatenated [full ; decoder] states (positions [0..T) twice, for RoPE) under the block mask,
+    keeping the decoder half; residual, post-attention norm, MLP, residual."""
+    lm = causal_lm(model)
+    layers = lm.model.layers[len(lm.model.layers) - len(full_inputs):]
+    B, T = input_ids.shape
+    x = lm.model.embed_tokens(input_ids)  # (B, T, H)
+    positions = torch.arange(T, device=input_ids.device)[None, :].expand(B, T)
+    pos2 = torch.cat([positions, positions], 1)  # (B, 2T)
+    rope = lm.model.rotary_emb(x, pos2)  # (cos, sin) each (B, 2T, D)
+    mask = decoder_mask(starts, attention_mask, x.dtype)
+    config = lm.config
+    kernel = config._attn_implementation
+    if kernel not in ("sdpa", "eager"):  # kernels that take no arbitrary 4-D mask (flash attention)
+        config._attn_implementation = "sdpa"
+    try:
+        for layer, full in zip(layers, full_inputs):
+            both = layer.input_layernorm(torch.cat([full, x], 1))  # (B, 2T, H)
+            attn, _ = layer.self_attn(hidden_states=both, position_embeddings=rope, attention_mask=mask)
+            x = x + attn[:, T:]
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+    finally:
+        config._attn_implementation = kernel
+    return lm.model.norm(x)
+
+
+def target_logprobs(features: torch.Tensor, model: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) per row of features (N, H) under the output head (chunked) -> (N,) fp32."""
+    head = output_head(model)
+    if head is None:
+        return losses.chunked_token_logprobs(causal_lm(model).lm_head(features), None, targets)
+    return losses.chunked_token_logprobs(features, head, targets)
+
+
+def target_argmax(features: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return causal_lm(model).lm_head(features.detach()).argmax(-1)
+
+
+# --- the algorithm ----------------------------------------------------------------------------------
+
+
+class SEED:
+    name = "seed"
+
+    def __init__(self, cfg: SEEDConfig):
+        self.cfg = cfg
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        check_split(model, self.cfg.decoder_layers)
+        model.requires_grad_(True)
+        return model
+
+    def make_batch(self, examples: Sequence[Any], ctx: RolloutContext) -> Batch:
+        tok, task = ctx.tokenizer, ctx.task
+        prompts = [encode(tok, task.prompt(ex)) for ex in examples]
+        metrics: dict[str, torch.Tensor] = {}
+        if self.cfg.data_source == "self":
+            outs = sample(ctx, prompts, self.cfg.self_temperature, 1.0)
+            targets = [list(o.tokens) for o in outs]
+            metrics["seed/sample_length"] = torch.tensor(sum(map(len, targets)) / max(len(targets), 1))
+        else:
+            targets = [encode(tok, ex.solution) + [tok.eos_token_id] for ex in examples]
+        ids, attn = pad_right([p + c for p, c in zip(prompts, targets)], tok.pad_token_id, ctx.device)
+        loss_mask = completion_mask(prompts, targets, ids)
+        return Batch(ids, attn, loss_mask, uids=[ex.uid for ex in examples], metrics=metrics)
+
+    def terms(self, model: nn.Module, micro: Batch) -> dict[str, torch.Tensor]:
+        """Summed (not normalised) CE of both passes, their token counts and the decoder's top-1 hits."""
+        k = self.cfg.decoder_layers
+        hidden, full_inputs = full_forward(model, micro.input_ids, micro.attention_mask, k)
+        target = micro.loss_mask.bool()  # (B, T) token t is trained
+        full_sel = torch.zeros_like(target)
+        full_sel[:, :-1] = target[:, 1:]  # position t predicts token t+1
+        starts = block_starts(micro.loss_mask, self.cfg.block_size)
+        dec_sel = full_sel & target  # query t is itself a target (inside a block) and predicts target t+1
+        next_ids = torch.nn.functional.pad(micro.input_ids[:, 1:], (0, 1))  # (B, T) token t+1
+        full_logp = target_logprobs(hidden[full_sel], model, next_ids[full_sel])  # (N_full,)
+        dec_hidden = decoder_pass(model, micro.input_ids, micro.attention_mask, full_inputs, starts)
+        dec_feats = dec_hidden[dec_sel]
+        dec_logp = target_logprobs(dec_feats, model, next_ids[dec_sel])  # (N_dec,)
+        hits = (target_argmax(dec_feats, model) == next_ids[dec_sel]).sum()
+        return {"full": -full_logp.sum(), "dec": -dec_logp.sum(), "n_full": full_sel.sum(), "n_dec": dec_sel.sum(),
+                "hits": hits}
+
+    def loss(self, model: nn.Module, micro: Batch, normaliser: torch.Tensor) -> StepOutput:
+        lam = self.cfg.lam
+        t = self.terms(model, micro)
+        loss = (t["full"] + lam * t["dec"]) / ((1.0 + lam) * normaliser)
+        n_full, n_dec = t["n_full"].clamp(min=1).float(), t["n_dec"].clamp(min=1).float()
+        metrics = {"seed/loss_full": t["full"].detach() / n_full, "seed/loss_dec": t["dec"].detach() / n_dec,
+                   "seed/dec_accuracy": t["hits"].float() / n_dec}
+        return StepOutput(loss, metrics)
+
+    @torch.no_grad()
+    def evaluate_drafter(self, model: nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any],
+                         max_new_tokens: int) -> dict:
+        """Greedy self-speculative decoding of held-out prompts with the trained drafter:
+        {"seed/mean_accepted": tokens emitted per verify forward}. Empty (with a warning) when the
+        runtime (inference.speculative) is not available."""
+        try:
+            from inference import SamplingParams
+            from inference.speculative import SpeculativeDecoder
+        except ImportError as err:
+            log.warning("SEED drafter eval skipped: inference.speculative is not available (%s)", err)
+            return {}
+        lm = causal_lm(model)
+        was_training = lm.training
+        lm.eval()
+        try:
+            dec = SpeculativeDecoder(lm, mode="seed", decoder_layers=self.cfg.decoder_layers,
+                                     draft_len=self.cfg.draft_len, confidence=self.cfg.confidence)
+            prompts = [encode(tokenizer, task.prompt(ex)) for ex in examples]
+            params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
+                                    stop_token_ids=(tokenizer.eos_token_id,))
+            _, stats = dec.generate(prompts, params)
+        finally:
+            lm.train(was_training)
+        return {"seed/mean_accepted": float(stats.mean_accepted)}
+
+    def drafter_spec(self) -> dict:
+        return {"decoder_layers": self.cfg.decoder_layers, "block_size": self.cfg.block_size,
+                "draft_len": self.cfg.draft_len, "confidence": self.cfg.confidence}
+
+    def export(self, model: nn.Module, tokenizer: Any, out_dir: str) -> None:
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        with open(os.path.join(out_dir, DRAFTER_FILE), "w") as fh:
+            json.dump(self.drafter_spec(), fh, indent=2)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass

@@ -1,0 +1,480 @@
+"""Speculative decoding on the lean decoder: SEED self-drafting or an external drafter model.
+
+    decoder = SpeculativeDecoder(model, mode="seed", decoder_layers=2)          # self-speculative
+    decoder = SpeculativeDecoder(model, mode="external", drafter=small_model)   # separate drafter
+    completions, stats = decoder.generate(prompt_ids, SamplingParams(temperature=0.0, ...))
+    stats.mean_accepted   # tokens emitted per verify forward (the acceptance length)
+
+One round, per live row (x = the last emitted token, at position n, its K/V not yet cached):
+  1. Draft d_1..d_m. SEED: the EMBEDDING of x goes straight into the top `decoder_layers` layers
+     of the target (skipping the lower ones) at its true position; each of those layers attends to
+     the cached full-model K/V of that layer (positions < n) plus the drafter's own K/V of the block
+     so far; final norm + lm_head give q_1, d_1 is drawn from it, and so on. External: a separate
+     causal LM with its own KV cache over the same tokens feeds x, d_1, ... autoregressively.
+     adaptive=True stops after a draft whose top probability is below `confidence` (that draft is
+     still proposed, so a round drafts at least one token); adaptive=False drafts `draft_len`.
+     Drafts never exceed the row's remaining budget minus one (the correction/bonus token).
+  2. Verify: ONE full-model forward on [x, d_1..d_m] at positions n..n+m; target distributions
+     p_0..p_m are processed exactly like plain sampling (`sampling.py`, fp32).
+     Greedy: accept the longest prefix of drafts equal to argmax p, then emit argmax p at the first
+     mismatch (or the bonus argmax p_m). Sampling: accept d_i while U * q(d_i) < p(d_i); at the
+     first rejection sample from norm(max(p - q, 0)); if all are accepted sample a bonus from p_m.
+  3. The verify forward's K/V of the accepted tokens stays as the cache; the rest is rolled back.
+
+KV rollback with one shared write slot (the lean cache `(L, 2, B, H_kv, T_max, D)`): every row
+writes its round at the same slots [s, s + m + 1); rows accept different lengths a_r, so after the
+round the write slot moves to s + max_r(a_r + 1) and each row's rejected slots are switched off in
+the key mask (`key_ok`). Positions are per row (RoPE is applied before caching), so masked holes
+are harmless. When the next round would not fit, `compact` gathers every row's valid slots to the
+front (left-padded), so the cache only needs prompt + max_new_tokens + draft_len + 2 slots. In
+batch 1 nothing is ever masked: the slot just moves back to the accepted prefix.
+
+SEED drafter K/V is written into the target cache's top layers at the round's slots, which the
+verify forward overwrites, so it is discarded for free. An external drafter's cache is rolled
+back the same way; on full acceptance it has never seen d_m, so d_m is fed to it right after the
+verify ("draft-cache sync"; rows that need no sync write a masked dummy slot).
+
+Outputs follow the Engine: tokens up to and including a stop token / stop sequence, never more
+than max_new_tokens, logprobs = log_softmax(logits / T) over the full vocabulary (T = 1 greedy).
+Only models the lean decoder supports can run here (a ValueError names why not).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference.engine import LENGTH, STOP, Completion, check_prompts, eval_mode, left_pad
+from inference.lean import (
+    EAGER, LeanBackend, decoder_layer, lean_unsupported_reason, read_dims, rms_norm,
+    rope_tables,
+)
+from inference.sampling import SamplingParams, sample_next, top_k_filter, top_p_filter
+
+__all__ = ["SEED_CONFIG", "SpecStats", "SpeculativeDecoder", "accept_greedy", "accept_sampled",
+           "target_probs"]
+
+SEED_CONFIG = "seed_drafter.json"
+MODES = ("seed", "external")
+
+
+@dataclass
+class SpecStats:
+    """Counters of one `generate` call. steps counts row-verifies (a batched verify of n live rows
+    counts n), so mean_accepted is per row."""
+
+    steps: int = 0  # verify forwards (per live row)
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+    emitted: int = 0  # tokens emitted (after stop / length truncation, prefill token included)
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean tokens produced per verify forward: accepted drafts + 1 correction/bonus."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+
+# ----------------------------------------------------------------------------- acceptance rules
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The sampling distribution of `sample_next` (temperature, top-k, top-p) in fp32.
+
+    logits: (..., V) -> probs (..., V). Greedy (T = 0) gives softmax(logits) (used only for the
+    drafter's confidence; greedy choices are argmax).
+    """
+    shape = logits.shape
+    flat = logits.float().reshape(-1, shape[-1])  # (N, V)
+    if params.greedy:
+        return flat.softmax(-1).reshape(shape)
+    filtered = top_p_filter(top_k_filter(flat / params.temperature, params.top_k), params.top_p)
+    return filtered.softmax(-1).reshape(shape)
+
+
+def accept_greedy(target_argmax: torch.Tensor, drafts: torch.Tensor, limit: torch.Tensor):
+    """Longest prefix of drafts equal to the target argmax, then the target's next token.
+
+    target_argmax: (n, m + 1); drafts: (n, m); limit: (n,) drafts each row really proposed.
+    Returns accepted (n,) in [0, limit] and next token (n,) = target_argmax at `accepted`.
+    """
+    n, m = drafts.shape
+    idx = torch.arange(m, device=drafts.device)
+    match = (drafts == target_argmax[:, :m]) & (idx[None, :] < limit[:, None])  # (n, m)
+    accepted = match.long().cumprod(-1).sum(-1)  # (n,)
+    return accepted, target_argmax.gather(1, accepted[:, None]).squeeze(1)
+
+
+def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, limit: torch.Tensor,
+                   generator: torch.Generator | None):
+    """Lossless rejection rule: the emitted tokens are distributed exactly as under p.
+
+    p: (n, m + 1, V) target probs; q: (n, m, V) drafter probs (d_{i+1} ~ q[:, i]); drafts: (n, m);
+    limit: (n,) drafts each row proposed. Accept d_{i+1} while U * q_i(d_{i+1}) < p_i(d_{i+1});
+    at the first rejection i sample from norm(max(p_i - q_i, 0)); if all `limit` drafts are
+    accepted sample a bonus from p_limit. Returns accepted (n,), next token (n,).
+    """
+    n, m = drafts.shape
+    if m:
+        u = torch.rand(n, m, generator=generator, device=p.device)  # (n, m)
+        p_d = p[:, :m].gather(-1, drafts[..., None]).squeeze(-1)  # (n, m)
+        q_d = q.gather(-1, drafts[..., None]).squeeze(-1)  # (n, m)
+        idx = torch.arange(m, device=p.device)
+        ok = (u * q_d < p_d) & (idx[None, :] < limit[:, None])  # (n, m)
+        accepted = ok.long().cumprod(-1).sum(-1)  # (n,)
+    else:
+        accepted = torch.zeros(n, dtype=torch.long, device=p.device)
+    rows = torch.arange(n, device=p.device)
+    dist = p[rows, accepted]  # (n, V)
+    rejected = accepted < limit  # (n,)
+    if m and bool(rejected.any()):
+        q_at = q[rows, accepted.clamp(max=m - 1)]  # (n, V)
+        residual = (dist - q_at).clamp(min=0)  # (n, V)
+        total = residual.sum(-1, keepdim=True)  # (n, 1)
+        # p == q exactly (no residual mass) cannot reject; fall back to p for numerical safety.
+        residual = torch.where(total > 0, residual / total.clamp(min=1e-30), dist)
+        dist = torch.where(rejected[:, None], residual, dist)
+    return accepted, torch.multinomial(dist, 1, generator=generator).squeeze(1)
+
+
+# ----------------------------------------------------------------------------- cache with holes
+
+
+class MaskedCache:
+    """A lean KV cache whose rows may hold rejected (masked-out) slots; see the module docstring."""
+
+    def __init__(self, model: nn.Module, batch: int, capacity: int):
+        self.dims = read_dims(model)
+        self.rope = rope_tables(model, capacity + 1)
+        self.lean = LeanBackend(model, self.dims, self.rope, batch, capacity, EAGER)
+        self.weights = self.lean.weights
+        self.capacity = capacity
+        self.n = batch
+        self.slot = 0
+
+    @property
+    def kv(self) -> torch.Tensor:
+        return self.lean.kv
+
+    @property
+    def key_ok(self) -> torch.Tensor:
+        return self.lean.key_ok
+
+    def prefill(self, ids, positions, valid) -> torch.Tensor:
+        """The Engine's prefill (bit-identical first logits). -> last-position logits (B, V)."""
+        logits = self.lean.prefill(ids, positions, valid)
+        self.key_ok[:, 0, 0, : ids.shape[1]] = valid
+        self.slot = ids.shape[1]
+        return logits
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, layers, start: int) -> torch.Tensor:
+        """Run `layers` on hidden states x (n, T, C) written at slots [start, start + T).
+
+        Queries see valid keys before `start` and the block causally. -> hidden (n, T, C).
+        """
+        n, T, _ = x.shape
+        end = start + T
+        self.key_ok[:n, :, :, start:end] = True
+        mask = self.key_ok[:n, :, :, :end]  # (n, 1, 1, end)
+        if T > 1:
+            keys = torch.arange(end, device=x.device)
+            causal = keys[None, :] <= start + torch.arange(T, device=x.device)[:, None]  # (T, end)
+            mask = mask & causal  # (n, 1, T, end)
+        dtype = x.dtype
+        rope_rows = (self.rope.cos[positions].unsqueeze(2).to(dtype),  # (n, T, 1, D)
+                     self.rope.sin_signed[positions].unsqueeze(2).to(dtype))
+        for layer in layers:
+            x = decoder_layer(x, self.weights.layers[layer], self.dims, EAGER, rope_rows,
+                              self.kv[layer, :, :n], start, mask)
+        return x
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weights.embed)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (..., C) -> logits (..., V) in the model dtype."""
+        return F.linear(rms_norm(hidden, self.weights.final_norm, self.dims.eps), self.weights.lm_head)
+
+    def commit(self, start: int, valid: torch.Tensor) -> None:
+        """Keep the first valid[r] slots of the block written at `start`; mask the rest out."""
+        keep = int(valid.max()) if valid.numel() else 0
+        end = start + keep
+        if keep:
+            slots = torch.arange(start, end, device=valid.device)
+            self.key_ok[: self.n, 0, 0, start:end] = slots[None, :] < (start + valid)[:, None]
+        self.slot = end
+
+    def ensure_room(self, needed: int) -> None:
+        """Compact (gather each row's valid slots to the front) when `needed` slots do not fit."""
+        if self.slot + needed <= self.capacity:
+            return
+        n, S = self.n, self.slot
+        ok = self.key_ok[:n, 0, 0, :S]  # (n, S)
+        kept = int(ok.sum(-1).max())
+        # Stable sort puts each row's masked slots first and its valid slots after, in order.
+        order = torch.sort(ok.to(torch.uint8), dim=-1, stable=True).indices[:, S - kept:]  # (n, kept)
+        L, two, _, H, _, D = self.kv.shape
+        index = order[None, None, :, None, :, None].expand(L, two, n, H, kept, D)
+        self.kv[:, :, :n, :, :kept] = self.kv[:, :, :n, :, :S].gather(4, index)
+        self.key_ok[:n, 0, 0, :kept] = ok.gather(1, order)
+        self.slot = kept
+        if self.slot + needed > self.capacity:
+            raise RuntimeError("speculative KV cache overflow; this is a bug in its sizing")
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` of the live batch, moved to the front in order."""
+        n, S = rows.numel(), self.slot
+        self.kv[:, :, :n, :, :S] = self.kv[:, :, rows, :, :S]
+        self.key_ok[:n] = self.key_ok[rows]
+        self.n = n
+
+
+# ----------------------------------------------------------------------------- the decoder
+
+
+class SpeculativeDecoder:
+    """Lossless speculative generation over a live HF causal LM (lean-decoder architectures).
+
+    mode "seed": self-speculative SEED drafting with the top `decoder_layers` layers of `model`;
+    mode "external": `drafter` is a separate small causal LM sharing the tokenizer / vocab.
+    adaptive=True: a row stops drafting after a draft whose top probability < confidence (at most
+    draft_len drafts); adaptive=False: always draft_len drafts (budget permitting).
+    """
+
+    def __init__(self, model: nn.Module, *, mode: str = "seed", decoder_layers: int = 2, drafter=None,
+                 draft_len: int = 4, confidence: float = 0.7, adaptive: bool = True,
+                 max_seq_len: int | None = None):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if draft_len < 1:
+            raise ValueError(f"draft_len must be >= 1, got {draft_len}")
+        layers = model.config.num_hidden_layers
+        if mode == "seed" and not 1 <= decoder_layers <= layers:
+            raise ValueError(f"decoder_layers must be in [1, {layers}], got {decoder_layers}")
+        if mode == "external" and drafter is None:
+            raise ValueError("mode 'external' needs a drafter model")
+        self.model, self.mode, self.drafter = model, mode, drafter if mode == "external" else None
+        self.decoder_layers, self.draft_len = decoder_layers, draft_len
+        self.confidence, self.adaptive = confidence, adaptive
+        self.max_seq_len = max_seq_len or model.config.max_position_embeddings
+        self._check()
+
+    @classmethod
+    def from_pretrained_dir(cls, model: nn.Module, path, **overrides) -> "SpeculativeDecoder":
+        """SEED decoder configured by `path/seed_drafter.json` when present, else the defaults.
+
+        Keys: decoder_layers, draft_len, confidence (block_size is the training block and is
+        used as draft_len when draft_len is absent); keyword overrides win.
+        """
+        config_path = Path(path) / SEED_CONFIG
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        kwargs = {"decoder_layers": config.get("decoder_layers", 2),
+                  "draft_len": config.get("draft_len", config.get("block_size", 4)),
+                  "confidence": config.get("confidence", 0.7)}
+        return cls(model, mode="seed", **{**kwargs, **overrides})
+
+    def _check(self) -> None:
+        for role, module in (("model", self.model), ("drafter", self.drafter)):
+            if module is None:
+                continue
+            reason = lean_unsupported_reason(module)
+            if reason is not None:
+                raise ValueError("speculative decoding runs on the lean decoder, which cannot run "
+                                 f"the {role}: {reason}")
+        if self.drafter is not None:
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            drafter_vocab = self.drafter.get_output_embeddings().weight.shape[0]
+            if vocab != drafter_vocab:
+                raise ValueError(f"drafter vocab {drafter_vocab} != model vocab {vocab}")
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 generator: torch.Generator | None = None) -> tuple[list[Completion], SpecStats]:
+        """Complete every prompt (token ids). Returns (one Completion per prompt in order, stats)."""
+        if not prompts:
+            return [], SpecStats()
+        self._check()
+        check_prompts(prompts, self.model.get_input_embeddings().num_embeddings)
+        longest = max(len(p) for p in prompts)
+        if longest >= self.max_seq_len:
+            raise ValueError(f"prompt of {longest} tokens leaves no room in max_seq_len={self.max_seq_len}")
+        new_tokens = min(params.max_new_tokens, self.max_seq_len - longest)
+        drafter = self.drafter if self.drafter is not None else self.model
+        with eval_mode(self.model), eval_mode(drafter), torch.inference_mode():
+            return _Run(self, prompts, params, new_tokens, generator).go()
+
+
+class _Run:
+    """State of one speculative `generate` call."""
+
+    def __init__(self, spec: SpeculativeDecoder, prompts, params: SamplingParams, new_tokens: int,
+                 generator):
+        self.spec, self.params, self.generator = spec, params, generator
+        self.new_tokens = new_tokens
+        self.device = next(spec.model.parameters()).device
+        self.batch = left_pad(prompts, self.device)
+        B, P = self.batch.ids.shape
+        # Room for every row's valid tokens plus one round in flight (and a drafter sync slot).
+        capacity = P + new_tokens + spec.draft_len + 2
+        self.target = MaskedCache(spec.model, B, capacity)
+        self.draft_cache = MaskedCache(spec.drafter, B, capacity) if spec.drafter is not None else None
+        L = self.target.dims.layers
+        self.top_layers = range(L - spec.decoder_layers, L)
+        self.all_layers = range(L)
+        self.stats = SpecStats()
+        self.out = [[] for _ in range(B)]
+        self.logprobs = [[] for _ in range(B)]
+        self.reason = [LENGTH] * B
+        self.rows = list(range(B))  # live row -> caller's prompt index
+        stop = params.stop_token_ids
+        self.stop_ids = set(stop)
+        self.stop_seqs = [list(s) for s in params.stop_sequences]
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _emit(self, live: int, tokens: list[int], logprobs: list[float]) -> bool:
+        """Append tokens to a live row up to a stop; True when the row is finished."""
+        row = self.rows[live]
+        out = self.out[row]
+        for token, logprob in zip(tokens, logprobs):
+            out.append(token)
+            self.logprobs[row].append(logprob)
+            self.stats.emitted += 1
+            if token in self.stop_ids or any(out[-len(s):] == s for s in self.stop_seqs if len(out) >= len(s)):
+                self.reason[row] = STOP
+                return True
+            if len(out) >= self.new_tokens:
+                return True
+        return False
+
+    def _drop(self, finished: list[bool], *tensors):
+        """Drop finished live rows from the caches and from `tensors` (each (n, ...))."""
+        live = [i for i, done in enumerate(finished) if not done]
+        rows = torch.tensor(live, dtype=torch.long, device=self.device)
+        self.rows = [self.rows[i] for i in live]
+        for cache in (self.target, self.draft_cache):
+            if cache is not None:
+                cache.keep(rows)
+        return [t[rows] for t in tensors]
+
+    # ------------------------------------------------------------------ main loop
+
+    def go(self, max_rounds: int | None = None):
+        """Prefill, sample the first token, then verify rounds until every row is done (or
+        `max_rounds` rounds ran; tests use it to inspect the caches mid-generation)."""
+        b = self.batch
+        logits = self.target.prefill(b.ids, b.positions, b.valid)  # (B, V)
+        if self.draft_cache is not None:
+            self.draft_cache.prefill(b.ids, b.positions, b.valid)
+        tokens, logprobs = sample_next(logits, self.params, self.generator)  # (B,), (B,)
+        finished = [self._emit(i, [t], [lp]) for i, (t, lp) in
+                    enumerate(zip(tokens.tolist(), logprobs.tolist()))]
+        x, pos = tokens, b.lengths.clone()  # (n,) last emitted token and its position
+        rounds = 0
+        while max_rounds is None or rounds < max_rounds:
+            rounds += 1
+            if any(finished):
+                x, pos = self._drop(finished, x, pos)
+            if not self.rows:
+                break
+            remaining = torch.tensor([self.new_tokens - len(self.out[r]) for r in self.rows],
+                                     device=self.device)  # (n,) >= 1
+            x, pos, finished = self._round(x, pos, remaining)
+        return [Completion(self.out[i], self.logprobs[i], self.reason[i]) for i in range(len(self.out))], self.stats
+
+    def _round(self, x, pos, remaining):
+        spec, params = self.spec, self.params
+        n = x.shape[0]
+        cap = (remaining - 1).clamp(max=spec.draft_len)  # (n,) drafts allowed per row
+        K = int(cap.max())
+        self.target.ensure_room(K + 1)
+        if self.draft_cache is not None:
+            self.draft_cache.ensure_room(K + 1)
+        drafts, limit, qs = self._draft(x, pos, cap, K)  # (n, m), (n,), (n, m, V) | None
+        m = drafts.shape[1]
+
+        # Verify: one full forward on [x, d_1..d_m] at positions pos..pos+m.
+        ids = torch.cat([x[:, None], drafts], 1)  # (n, m + 1)
+        positions = pos[:, None] + torch.arange(m + 1, device=self.device)  # (n, m + 1)
+        start = self.target.slot
+        hidden = self.target.run(self.target.embed(ids), positions, self.all_layers, start)
+        logits = self.target.logits(hidden).float()  # (n, m + 1, V)
+        if params.greedy:
+            accepted, nxt = accept_greedy(logits.argmax(-1), drafts, limit)
+            logp = logits.log_softmax(-1)
+        else:
+            p = target_probs(logits, params)  # (n, m + 1, V)
+            accepted, nxt = accept_sampled(p, qs, drafts, limit, self.generator)
+            logp = (logits / params.temperature).log_softmax(-1)
+        self.target.commit(start, accepted + 1)
+        if self.draft_cache is not None:
+            self._sync_drafter(ids, positions, accepted, m)
+
+        emitted = torch.cat([drafts, nxt[:, None]], 1)  # (n, m + 1); row r uses [:a_r] + nxt
+        emitted.scatter_(1, accepted[:, None], nxt[:, None])
+        lp = logp.gather(-1, emitted[..., None]).squeeze(-1)  # (n, m + 1)
+        self.stats.steps += n
+        self.stats.drafted += int(limit.sum())
+        self.stats.accepted += int(accepted.sum())
+        finished = []
+        for i, (a, toks, lps) in enumerate(zip(accepted.tolist(), emitted.tolist(), lp.tolist())):
+            finished.append(self._emit(i, toks[: a + 1], lps[: a + 1]))
+        return nxt, pos + accepted + 1, finished
+
+    def _draft(self, x, pos, cap, K):
+        """Draft up to K tokens for every live row (rows past their own limit keep drafting while
+        any row is active; their extra drafts are never accepted).
+
+        -> drafts (n, m), limit (n,) drafts each row proposed, q (n, m, V) fp32 (None if greedy).
+        """
+        spec, params = self.spec, self.params
+        n = x.shape[0]
+        active = cap > 0  # (n,)
+        limit = torch.zeros(n, dtype=torch.long, device=self.device)
+        drafts, qs = [], []
+        token = x
+        base = (self.draft_cache or self.target).slot
+        for j in range(K):
+            if not bool(active.any()):
+                break
+            logits = self._draft_logits(token, pos + j, base + j).float()  # (n, V)
+            q = target_probs(logits, params)  # (n, V)
+            if params.greedy:
+                token = logits.argmax(-1)
+            else:
+                token = torch.multinomial(q, 1, generator=self.generator).squeeze(1)
+            drafts.append(token)
+            qs.append(q)
+            limit += active.long()
+            more = j + 1 < cap
+            if spec.adaptive:
+                more &= q.max(-1).values >= spec.confidence
+            active &= more
+        m = len(drafts)
+        draft_ids = torch.stack(drafts, 1) if m else x.new_zeros(n, 0)
+        q = torch.stack(qs, 1) if m and not params.greedy else None
+        return draft_ids, limit, q
+
+    def _draft_logits(self, token, positions, slot):
+        """One drafting step for token (n,) at positions (n,), written at cache slot `slot`."""
+        if self.draft_cache is not None:
+            cache, layers = self.draft_cache, range(self.draft_cache.dims.layers)
+        else:  # SEED: the token embedding straight into the top layers of the target
+            cache, layers = self.target, self.top_layers
+        hidden = cache.run(cache.embed(token[:, None]), positions[:, None], layers, slot)
+        return cache.logits(hidden[:, 0])
+
+    def _sync_drafter(self, ids, positions, accepted, m):
+        """Roll the drafter back to x, d_1..d_a; feed d_m (ids[:, m]) to rows that accepted all."""
+        cache = self.draft_cache
+        start = cache.slot
+        cache.commit(start, (accepted + 1).clamp(max=m))
+        need = accepted == m  # (n,)
+        if not bool(need.any()):
+            return
+        start = cache.slot
+        cache.run(cache.embed(ids[:, m:]), positions[:, m:], range(cache.dims.layers), start)
+        cache.commit(start, need.long())
