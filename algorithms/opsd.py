@@ -101,11 +101,16 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def _decoder(model: nn.Module) -> nn.Module:
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The HF *ForCausalLM inside wrappers (DDP / DeepSpeed, then PEFT)."""
     inner = unwrap(model)
     if hasattr(inner, "get_base_model"):  # peft
         inner = inner.get_base_model()
-    return inner.get_decoder()
+    return inner
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    return causal_lm(model).get_decoder()
 
 
 def output_head(model: nn.Module) -> Optional[losses.Head]:

@@ -49,7 +49,7 @@ from torch import nn
 
 from algorithms import losses
 from algorithms.base import Batch, RolloutContext, StepOutput, pad_right
-from algorithms.opsd import completion_mask, encode, output_head, sample, unwrap
+from algorithms.opsd import causal_lm, completion_mask, encode, export_model, output_head, sample
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +87,6 @@ class SEEDConfig:
 
 
 # --- model plumbing ---------------------------------------------------------------------------------
-
-
-def causal_lm(model: nn.Module) -> nn.Module:
-    """The HF *ForCausalLM inside wrappers (DDP / DeepSpeed / PEFT)."""
-    inner = unwrap(model)
-    if hasattr(inner, "get_base_model"):
-        inner = inner.get_base_model()
-    return inner
 
 
 def check_split(model: nn.Module, decoder_layers: int) -> None:
@@ -215,9 +207,14 @@ def target_logprobs(features: torch.Tensor, model: nn.Module, targets: torch.Ten
     return losses.chunked_token_logprobs(features, head, targets)
 
 
+@torch.no_grad()
 def target_argmax(features: torch.Tensor, model: nn.Module) -> torch.Tensor:
-    with torch.no_grad():
-        return causal_lm(model).lm_head(features.detach()).argmax(-1)
+    """Top-1 token per row of features (N, H), a chunk of rows at a time (no (N, V) logits at once)."""
+    head = causal_lm(model).lm_head
+    chunk = losses.auto_chunk(head.out_features, 0)
+    features = features.detach()
+    parts = [head(features[i: i + chunk]).argmax(-1) for i in range(0, features.shape[0], chunk)]
+    return torch.cat(parts) if parts else features.new_zeros(0, dtype=torch.long)
 
 
 # --- the algorithm ----------------------------------------------------------------------------------
@@ -306,8 +303,7 @@ class SEED:
                 "draft_len": self.cfg.draft_len, "confidence": self.cfg.confidence}
 
     def export(self, model: nn.Module, tokenizer: Any, out_dir: str) -> None:
-        model.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
+        export_model(model, tokenizer, out_dir, self.name)
         with open(os.path.join(out_dir, DRAFTER_FILE), "w") as fh:
             json.dump(self.drafter_spec(), fh, indent=2)
 

@@ -289,14 +289,9 @@ def _covers_storage(t: Tensor) -> bool:
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The transformer blocks of a HF causal LM (unwrapping DDP/DeepSpeed `.module` and PEFT)."""
-    m = model
-    for _ in range(8):
-        if hasattr(m, "get_base_model") and callable(m.get_base_model):
-            m = m.get_base_model()
-        elif isinstance(getattr(m, "module", None), nn.Module):
-            m = m.module
-        else:
-            break
+    from algorithms.opsd import causal_lm
+
+    m = causal_lm(model)
     decoder = m.get_decoder() if hasattr(m, "get_decoder") else getattr(m, "model", m)
     layers = getattr(decoder, "layers", None)
     if layers is None:
