@@ -67,6 +67,7 @@ class SEEDConfig:
     self_temperature: float = 0.0  # data_source=self: sampling temperature (0 = greedy)
     draft_len: int = 4  # runtime: max drafted tokens per verify (written to seed_drafter.json, used in eval)
     confidence: float = 0.7  # runtime: stop drafting when the drafter's top probability falls below this
+    adaptive: bool = True  # runtime: confidence-based draft length; False = always draft_len drafts
     seed: int = 0
 
     def validate(self) -> None:
@@ -289,7 +290,8 @@ class SEED:
         lm.eval()
         try:
             dec = SpeculativeDecoder(lm, mode="seed", decoder_layers=self.cfg.decoder_layers,
-                                     draft_len=self.cfg.draft_len, confidence=self.cfg.confidence)
+                                     draft_len=self.cfg.draft_len, confidence=self.cfg.confidence,
+                                     adaptive=self.cfg.adaptive)
             prompts = [encode(tokenizer, task.prompt(ex)) for ex in examples]
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                                     stop_token_ids=(tokenizer.eos_token_id,))
@@ -300,7 +302,8 @@ class SEED:
 
     def drafter_spec(self) -> dict:
         return {"decoder_layers": self.cfg.decoder_layers, "block_size": self.cfg.block_size,
-                "draft_len": self.cfg.draft_len, "confidence": self.cfg.confidence}
+                "draft_len": self.cfg.draft_len, "confidence": self.cfg.confidence,
+                "adaptive": self.cfg.adaptive}
 
     def export(self, model: nn.Module, tokenizer: Any, out_dir: str) -> None:
         export_model(model, tokenizer, out_dir, self.name)

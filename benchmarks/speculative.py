@@ -1,17 +1,25 @@
 """Speculative decoding on a SEED-trained tiny-but-deep model, side by side in one run.
 
-The target is the embedded warm-started tiny model made deep (`--layers`, default 12; its warm start
-is built once and cached like the default one), fine-tuned with `+algo=seed` (`--seed-steps`; or
-pass `--model DIR` of a SEED-trained export). Compared on the same held-out `arith` prompts:
+The target is deep (`--layers`, default 12) and competent: by default the embedded 4-layer warm
+start deepened by identity blocks (`build_upscaled`: same function and accuracy, the cost of 12
+layers per token); `--target warm` instead warm-starts a 12-layer tiny model from scratch (weak at
+affordable CPU budgets: 0.04 held-out accuracy after 150 steps). It is then fine-tuned with
+`+algo=seed` (`--seed-steps`, cached in `--workdir`), or pass `--model DIR` of a SEED-trained
+export. Compared on the same held-out `arith` prompts:
 
   plain      our engine, one token per forward (the baseline);
-  seed       self-speculative SEED drafting with the model's top layers (seed_drafter.json);
-  external   a classic two-model setup: the default 4-layer warm-started tiny model drafts;
+  seed       self-speculative SEED drafting with the model's top layers, as exported
+             (seed_drafter.json: confidence-based draft length by default);
+  seed-k     the same drafter with a fixed draft length (`--fixed-k`, default 6);
+  external   a classic two-model setup: a 4-layer tiny model warm-started like the default one but
+             from another seed (`--drafter-seed`), so it is not the target's own source;
   hf-assist  HF `generate(assistant_model=...)` with the same small drafter (batch 1 only);
 
 at batch 1 and 8, greedy and temperature 1: tokens/s, mean tokens per verify forward (accepted
-drafts + 1), speedup over plain. Also: held-out greedy accuracy of the model before and after SEED
-fine-tuning (it must not drop), from the training run's own evals. One thread; last line JSON.
+drafts + 1), speedup over plain. The variants of one setting run round-robin `--repeats` times
+and each keeps its fastest pass, so a slow spell of the machine hits them alike. Also: held-out
+greedy accuracy of the model before and after SEED fine-tuning (it must not drop), from the
+training run's own evals. One thread; last line JSON.
 
     python benchmarks/speculative.py                     # build + SEED-train (cached runs reused)
     python benchmarks/speculative.py --model outputs/seed/final --prompts 16
@@ -19,8 +27,11 @@ fine-tuning (it must not drop), from the training run's own evals. One thread; l
 from __future__ import annotations
 
 import argparse
+import copy
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -30,13 +41,68 @@ sys.path.insert(0, ROOT)
 
 
 def deep_overrides(args) -> list[str]:
+    if args.target == "upscaled":
+        return ["model=hf", f"model.path={upscaled_dir(args)}"]
     return ["model=tiny", f"model.num_layers={args.layers}", f"model.warm_start_steps={args.warm_steps}"]
+
+
+def upscaled_dir(args) -> str:
+    return os.path.join(args.workdir, f"upscaled-l{args.layers}")
+
+
+def build_upscaled(source_dir: str, layers: int, out_dir: str) -> None:
+    """Deepen a trained model without changing its function (depth up-scaling with identity
+    blocks): source layer j becomes layer (j + 1) * r - 1 of the deep model (r = layers / source
+    layers), and every other layer is a fresh block whose output projections (o_proj, down_proj)
+    are zero, so it adds nothing to the residual stream until training moves it. The deep model
+    costs `layers` full decoder layers per token and starts exactly as accurate as the source."""
+    import torch
+
+    from models.loading import load_pretrained
+
+    source, tokenizer = load_pretrained(source_dir)
+    n = source.config.num_hidden_layers
+    if layers % n:
+        raise SystemExit(f"--layers {layers} must be a multiple of the source model's {n} layers")
+    ratio = layers // n
+    config = copy.deepcopy(source.config)
+    config.num_hidden_layers = layers
+    config.layer_types = ["full_attention"] * layers
+    torch.manual_seed(0)
+    deep = type(source)(config)
+    state = deep.state_dict()
+    for key, value in source.state_dict().items():
+        if key.startswith("model.layers."):
+            j, rest = key[len("model.layers."):].split(".", 1)
+            key = f"model.layers.{(int(j) + 1) * ratio - 1}.{rest}"
+        state[key] = value.clone()
+    for i in range(layers):
+        if (i + 1) % ratio:
+            for name in ("self_attn.o_proj", "mlp.down_proj"):
+                for kind in ("weight", "bias"):
+                    key = f"model.layers.{i}.{name}.{kind}"
+                    if key in state:
+                        state[key] = torch.zeros_like(state[key])
+    deep.load_state_dict(state)
+    deep.eval()
+    ids = torch.randint(2, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(deep(ids).logits, source.eval()(ids).logits, atol=1e-4, rtol=1e-4)
+    tmp = out_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    deep.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, out_dir)
 
 
 def seed_model(args) -> tuple[str, dict]:
     """A SEED-trained export of the deep warm-started model (trained once into --workdir), and the
     held-out evals of that run (step 0 = the warm start, last = after SEED)."""
-    out = os.path.join(args.workdir, f"seed-l{args.layers}-w{args.warm_steps}-s{args.seed_steps}")
+    name = (f"seed-up{args.layers}-s{args.seed_steps}" if args.target == "upscaled"
+            else f"seed-l{args.layers}-w{args.warm_steps}-s{args.seed_steps}")
+    if args.extra:  # a different training recipe is a different cached run
+        name += "-" + hashlib.sha256(" ".join(args.extra).encode()).hexdigest()[:8]
+    out = os.path.join(args.workdir, name)
     final = os.path.join(out, "final")
     if not os.path.exists(os.path.join(final, "seed_drafter.json")):
         cmd = [sys.executable, os.path.join(ROOT, "train.py"), "+algo=seed", *deep_overrides(args),
@@ -63,15 +129,33 @@ def timed(fn, repeats: int):
     return best, out
 
 
+def timed_round_robin(fns: dict, repeats: int) -> dict:
+    """{name: (fastest seconds, last output)}, running the variants in turn `repeats` times."""
+    best = {name: (float("inf"), None) for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            out = fn()
+            seconds = time.perf_counter() - start
+            best[name] = (min(best[name][0], seconds), out)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a SEED-trained export (default: build and train one)")
+    ap.add_argument("--target", choices=("upscaled", "warm"), default="upscaled",
+                    help="upscaled: the default 4-layer warm start deepened to --layers with identity blocks; "
+                         "warm: a --layers-deep tiny model warm-started from scratch for --warm-steps")
     ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--warm-steps", type=int, default=150, help="SFT warm-start steps of the deep model")
+    ap.add_argument("--warm-steps", type=int, default=150, help="--target warm: SFT warm-start steps")
+    ap.add_argument("--drafter-seed", type=int, default=1,
+                    help="seed of the external drafter's warm start (the default 4-layer tiny model)")
     ap.add_argument("--seed-steps", type=int, default=100)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--fixed-k", type=int, default=6, help="draft length of the fixed-length SEED variant")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the decoding comparison")
     ap.add_argument("--train-threads", type=int, default=2, help="threads of the SEED training run")
     ap.add_argument("--eval-examples", type=int, default=200)
@@ -91,20 +175,26 @@ def main() -> None:
     from trainer.setup import build_task_from
     from trainer.warm_start import cache_path, tiny_model
 
-    deep_cfg = load_config(["+algo=sft", *deep_overrides(args)], config_schemas())
-    tiny_model(deep_cfg.model, World(), 0)  # the deep warm start (built once, cached)
     small_cfg = load_config(["+algo=sft", "model=tiny"], config_schemas())
-    tiny_model(small_cfg.model, World(), 0)  # the default 4-layer warm start: the external drafter
+    tiny_model(small_cfg.model, World(), 0)  # the default 4-layer warm start (built once, cached)
+    # The external drafter: the same recipe from another seed, so it is not the target's own source.
+    tiny_model(small_cfg.model, World(), args.drafter_seed)
+    if args.target == "upscaled" and not os.path.exists(upscaled_dir(args)):
+        os.makedirs(args.workdir, exist_ok=True)
+        build_upscaled(cache_path(small_cfg.model, 0), args.layers, upscaled_dir(args))
+    deep_cfg = load_config(["+algo=sft", *deep_overrides(args)], config_schemas())
+    if args.target == "warm":
+        tiny_model(deep_cfg.model, World(), 0)  # the deep warm start (built once, cached)
     if args.model:
         path, evals = args.model, {}
     else:
         path, evals = seed_model(args)
         b, a = evals["before"], evals["after"]
-        print(f"held-out accuracy (n={a['n']}): deep warm start {b['accuracy']:.3f} -> after SEED {a['accuracy']:.3f}; "
+        print(f"held-out accuracy (n={a['n']}): deep model {b['accuracy']:.3f} -> after SEED {a['accuracy']:.3f}; "
               f"mean accepted length {b.get('seed/mean_accepted', float('nan')):.2f} -> "
               f"{a.get('seed/mean_accepted', float('nan')):.2f}", flush=True)
     model, tok = load_pretrained(path)
-    small, _ = load_pretrained(cache_path(small_cfg.model, 0))
+    small, _ = load_pretrained(cache_path(small_cfg.model, args.drafter_seed))
     for m in (model, small):
         m.eval()
     task = build_task_from(deep_cfg.data)
@@ -112,8 +202,13 @@ def main() -> None:
     prompts = [tok(task.prompt(ex), add_special_tokens=False).input_ids for ex in held_out[: args.prompts]]
     eos = tok.eos_token_id
     engine = Engine(model)
-    seed_dec = SpeculativeDecoder.from_pretrained_dir(model, path)
-    external = SpeculativeDecoder(model, mode="external", drafter=small)
+    decoders = {"seed": SpeculativeDecoder.from_pretrained_dir(model, path),
+                "seed_k": SpeculativeDecoder.from_pretrained_dir(model, path, adaptive=False, draft_len=args.fixed_k),
+                "external": SpeculativeDecoder(model, mode="external", drafter=small)}
+    seed_cfg = decoders["seed"]
+    print(f"seed: decoder_layers {seed_cfg.decoder_layers}, draft_len {seed_cfg.draft_len}, "
+          f"{'confidence ' + str(seed_cfg.confidence) if seed_cfg.adaptive else 'fixed'}; "
+          f"seed_k: fixed draft_len {args.fixed_k}", flush=True)
     rows = []
     for temperature in (0.0, 1.0):
         for batch in (1, 8):
@@ -134,11 +229,12 @@ def main() -> None:
                     return outs, emitted / max(steps, 1)
                 return go
 
-            t_plain, plain = timed(run_plain, args.repeats)
+            results = timed_round_robin({"plain": run_plain, **{name: run_spec(dec) for name, dec in decoders.items()}},
+                                        args.repeats)
+            t_plain, plain = results.pop("plain")
             n_tokens = sum(len(c.tokens) for c in plain)
             row = {"temperature": temperature, "batch": batch, "plain_tok_s": n_tokens / t_plain}
-            for name, dec in (("seed", seed_dec), ("external", external)):
-                t, (outs, accepted) = timed(run_spec(dec), args.repeats)
+            for name, (t, (outs, accepted)) in results.items():
                 n = sum(len(c.tokens) for c in outs)
                 row[f"{name}_tok_s"] = n / t
                 row[f"{name}_accept"] = accepted
@@ -149,12 +245,16 @@ def main() -> None:
                 row.update(_hf_assisted(model, small, prompts, args, temperature, eos, row["plain_tok_s"]))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n{'T':>4} {'batch':>5} {'plain tok/s':>12} {'seed tok/s':>11} {'accept':>7} {'speedup':>8} "
-          f"{'ext tok/s':>10} {'accept':>7} {'speedup':>8} {'hf-assist tok/s':>16}")
+    variants = list(decoders)
+    head = f"\n{'T':>4} {'batch':>5} {'plain tok/s':>12}"
+    for name in variants:
+        head += f" {name + ' tok/s':>15} {'accept':>7} {'speedup':>8}"
+    print(head + f" {'hf-assist tok/s':>16} {'hf plain tok/s':>15}")
     for r in rows:
-        print(f"{r['temperature']:4.1f} {r['batch']:5d} {r['plain_tok_s']:12.1f} {r['seed_tok_s']:11.1f} "
-              f"{r['seed_accept']:7.2f} {r['seed_speedup']:7.2f}x {r['external_tok_s']:10.1f} {r['external_accept']:7.2f} "
-              f"{r['external_speedup']:7.2f}x {r.get('hf_assist_tok_s', float('nan')):16.1f}")
+        line = f"{r['temperature']:4.1f} {r['batch']:5d} {r['plain_tok_s']:12.1f}"
+        for name in variants:
+            line += f" {r[name + '_tok_s']:15.1f} {r[name + '_accept']:7.2f} {r[name + '_speedup']:7.2f}x"
+        print(line + f" {r.get('hf_assist_tok_s', float('nan')):16.1f} {r.get('hf_plain_tok_s', float('nan')):15.1f}")
     print(json.dumps({"model": path, "evals": evals, "rows": rows}))
 
 

@@ -38,6 +38,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="speculative decoding: SEED self-drafting or an external --drafter")
     parser.add_argument("--drafter", metavar="DIR", help="drafter model dir (implies --speculative external)")
     parser.add_argument("--draft-len", type=int, default=None, help="max drafts per verify")
+    parser.add_argument("--confidence", type=float, default=None,
+                        help="stop drafting after a draft whose top probability is below this")
+    parser.add_argument("--fixed-draft", action="store_true",
+                        help="always draft --draft-len tokens (no confidence-based early stop)")
     parser.add_argument("--adapter", metavar="DIR", help="PEFT adapter dir (not supported yet)")
     return parser.parse_args(argv)
 
@@ -87,7 +91,10 @@ def _speculative(args, model, prompt_ids, params, generator):
 
     from inference.speculative import SpeculativeDecoder
 
-    overrides = {} if args.draft_len is None else {"draft_len": args.draft_len}
+    overrides = {key: value for key, value in (("draft_len", args.draft_len), ("confidence", args.confidence))
+                 if value is not None}
+    if args.fixed_draft:
+        overrides["adaptive"] = False
     if args.speculative == "seed":
         decoder = SpeculativeDecoder.from_pretrained_dir(model, args.model_dir, **overrides)
     else:

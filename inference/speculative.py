@@ -251,6 +251,8 @@ class SpeculativeDecoder:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if draft_len < 1:
             raise ValueError(f"draft_len must be >= 1, got {draft_len}")
+        if not 0.0 <= confidence <= 1.0:
+            raise ValueError(f"confidence must be in [0, 1], got {confidence}")
         layers = model.config.num_hidden_layers
         if mode == "seed" and not 1 <= decoder_layers <= layers:
             raise ValueError(f"decoder_layers must be in [1, {layers}], got {decoder_layers}")
@@ -266,14 +268,15 @@ class SpeculativeDecoder:
     def from_pretrained_dir(cls, model: nn.Module, path, **overrides) -> "SpeculativeDecoder":
         """SEED decoder configured by `path/seed_drafter.json` when present, else the defaults.
 
-        Keys: decoder_layers, draft_len, confidence (block_size is the training block and is
-        used as draft_len when draft_len is absent); keyword overrides win.
+        Keys: decoder_layers, draft_len, confidence, adaptive (block_size is the training block
+        and is used as draft_len when draft_len is absent); keyword overrides win.
         """
         config_path = Path(path) / SEED_CONFIG
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         kwargs = {"decoder_layers": config.get("decoder_layers", 2),
                   "draft_len": config.get("draft_len", config.get("block_size", 4)),
-                  "confidence": config.get("confidence", 0.7)}
+                  "confidence": config.get("confidence", 0.7),
+                  "adaptive": config.get("adaptive", True)}
         return cls(model, mode="seed", **{**kwargs, **overrides})
 
     def _check(self) -> None:

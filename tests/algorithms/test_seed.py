@@ -169,10 +169,10 @@ def test_prepare_model_checks_split():
 
 def test_export_writes_drafter_spec(tmp_path):
     model, tok = tiny()
-    algo = SEED(SEEDConfig(decoder_layers=3, block_size=5, draft_len=6, confidence=0.5))
+    algo = SEED(SEEDConfig(decoder_layers=3, block_size=5, draft_len=6, confidence=0.5, adaptive=False))
     algo.export(model, tok, str(tmp_path))
     spec = json.loads((tmp_path / "seed_drafter.json").read_text())
-    assert spec == {"decoder_layers": 3, "block_size": 5, "draft_len": 6, "confidence": 0.5}
+    assert spec == {"decoder_layers": 3, "block_size": 5, "draft_len": 6, "confidence": 0.5, "adaptive": False}
     assert (tmp_path / "model.safetensors").exists()
 
 

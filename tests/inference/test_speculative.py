@@ -271,11 +271,15 @@ def test_end_to_end_sampling_is_lossless(mode, params):
 
 def test_from_pretrained_dir_reads_seed_config(tmp_path, target):
     spec = SpeculativeDecoder.from_pretrained_dir(target, tmp_path)
-    assert (spec.mode, spec.decoder_layers, spec.draft_len, spec.confidence) == ("seed", 2, 4, 0.7)
+    assert (spec.mode, spec.decoder_layers, spec.draft_len, spec.confidence, spec.adaptive) == ("seed", 2, 4, 0.7, True)
     (tmp_path / "seed_drafter.json").write_text(json.dumps(
-        {"decoder_layers": 3, "block_size": 4, "draft_len": 5, "confidence": 0.5}))
+        {"decoder_layers": 3, "block_size": 4, "draft_len": 5, "confidence": 0.5, "adaptive": False}))
     spec = SpeculativeDecoder.from_pretrained_dir(target, tmp_path)
-    assert (spec.decoder_layers, spec.draft_len, spec.confidence) == (3, 5, 0.5)
+    assert (spec.decoder_layers, spec.draft_len, spec.confidence, spec.adaptive) == (3, 5, 0.5, False)
+    spec = SpeculativeDecoder.from_pretrained_dir(target, tmp_path, draft_len=2, adaptive=True)
+    assert (spec.draft_len, spec.adaptive) == (2, True)
+    with pytest.raises(ValueError, match="confidence"):
+        SpeculativeDecoder(target, confidence=1.5)
     with pytest.raises(ValueError, match="decoder_layers"):
         SpeculativeDecoder(target, decoder_layers=7)
     with pytest.raises(ValueError, match="drafter"):
@@ -298,7 +302,8 @@ def test_cli_speculative_matches_plain(tmp_path, capsys):
     common = [str(tmp_path), "--prompt", "12+7=", "--max-new-tokens", "12", "--device", "cpu"]
     outputs = []
     for extra in ([], ["--speculative", "seed"], ["--drafter", str(tmp_path)],
-                  ["--speculative", "external", "--drafter", str(tmp_path), "--draft-len", "2"]):
+                  ["--speculative", "external", "--drafter", str(tmp_path), "--draft-len", "2"],
+                  ["--speculative", "seed", "--draft-len", "5", "--fixed-draft", "--confidence", "0.9"]):
         assert main(common + extra) == 0
         captured = capsys.readouterr()
         outputs.append(captured.out)
