@@ -31,7 +31,7 @@ SFT) or `self` (completions sampled from the current model at `self_temperature`
 the drafter learns what the model will actually say).
 
 Export: the fine-tuned model + tokenizer and `seed_drafter.json` (decoder_layers, block_size,
-draft_len, confidence) for the runtime.
+draft_len, confidence, adaptive) for the runtime.
 
     python train.py +algo=seed trainer.max_steps=200
     python train.py +algo=seed algo.data_source=self algo.decoder_layers=4

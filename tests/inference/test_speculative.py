@@ -324,3 +324,34 @@ def test_unsupported_model_raises_clearly(target):
         SpeculativeDecoder(target, mode="external", drafter=other)
     with pytest.raises(ValueError, match="vocab"):
         SpeculativeDecoder(target, mode="external", drafter=make(layers=1, vocab=VOCAB + 1))
+
+
+def test_benchmark_depth_upscaling_keeps_the_function(tmp_path):
+    """benchmarks/speculative.py's deep target: source layer j -> layer (j + 1) r - 1, the rest
+    identity blocks (zero output projections); same logits, 3x the layers."""
+    from benchmarks.speculative import build_upscaled
+    from models.loading import load_pretrained
+    from models.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(0)
+    source = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        initializer_range=0.2))
+    source.save_pretrained(tmp_path / "src")
+    tokenizer.save_pretrained(tmp_path / "src")
+    build_upscaled(str(tmp_path / "src"), 6, str(tmp_path / "deep"))
+    deep, _ = load_pretrained(str(tmp_path / "deep"))
+    assert deep.config.num_hidden_layers == 6 and not (tmp_path / "deep.tmp").exists()
+    ids = torch.randint(0, len(tokenizer), (3, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(deep.eval()(ids).logits, source.eval()(ids).logits, atol=1e-5, rtol=1e-5)
+    for i, layer in enumerate(deep.model.layers):
+        if i in (2, 5):
+            torch.testing.assert_close(layer.mlp.up_proj.weight, source.model.layers[i // 3].mlp.up_proj.weight)
+        else:
+            assert not layer.self_attn.o_proj.weight.any() and not layer.mlp.down_proj.weight.any()
+            assert layer.mlp.up_proj.weight.any()  # a fresh block, not a copy of nothing
+    with pytest.raises(SystemExit, match="multiple"):
+        build_upscaled(str(tmp_path / "src"), 5, str(tmp_path / "bad"))
