@@ -55,6 +55,10 @@ log = logging.getLogger(__name__)
 
 DATA_SOURCES = ("solutions", "self")
 DRAFTER_FILE = "seed_drafter.json"
+SELF_DATA_WARNING = (
+    "SEED with algo.data_source=self fine-tunes the whole model on its own completions; measured on the "
+    "tiny 12-layer benchmark model at lr 3e-4 this destroyed held-out accuracy within 40 steps (0.64 -> 0.00 "
+    "greedy, -> 0.07 at self_temperature=1). Watch the eval accuracy; data_source=solutions is the safe default.")
 
 
 @dataclass
@@ -229,6 +233,8 @@ class SEED:
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         check_split(model, self.cfg.decoder_layers)
+        if self.cfg.data_source == "self":
+            log.warning(SELF_DATA_WARNING)
         model.requires_grad_(True)
         return model
 

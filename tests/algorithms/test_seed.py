@@ -176,10 +176,17 @@ def test_export_writes_drafter_spec(tmp_path):
     assert (tmp_path / "model.safetensors").exists()
 
 
-def test_self_data_uses_sampled_completions():
+def test_self_data_uses_sampled_completions(caplog):
     model, tok = tiny()
     task = arith()
     algo = SEED(SEEDConfig(data_source="self"))
+    with caplog.at_level("WARNING", logger="algorithms.seed"):
+        algo.prepare_model(model)
+    assert "data_source=self" in caplog.text  # measured to destroy accuracy; the user is told
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="algorithms.seed"):
+        SEED(SEEDConfig()).prepare_model(model)
+    assert "data_source=self" not in caplog.text
     examples = task.train_examples()[:3]
     c = ctx(model, tok, task, max_new_tokens=8)
     batch = algo.make_batch(examples, c)
