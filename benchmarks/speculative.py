@@ -10,7 +10,7 @@ export. Compared on the same held-out `arith` prompts:
   plain      our engine, one token per forward (the baseline);
   seed       self-speculative SEED drafting with the model's top layers, as exported
              (seed_drafter.json: confidence-based draft length by default);
-  seed-k     the same drafter with a fixed draft length (`--fixed-k`, default 6);
+  seed_k     the same drafter with a fixed draft length (`--fixed-k`, default 6);
   external   a classic two-model setup: a 4-layer tiny model warm-started like the default one but
              from another seed (`--drafter-seed`), so it is not the target's own source;
   hf-assist  HF `generate(assistant_model=...)` with the same small drafter (batch 1 only);
@@ -118,15 +118,6 @@ def seed_model(args) -> tuple[str, dict]:
         print(f"SEED fine-tuning ({args.seed_steps} steps) in {time.perf_counter() - started:.0f}s", flush=True)
     evals = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"eval"' in x]
     return final, {"before": evals[0], "after": evals[-1]}
-
-
-def timed(fn, repeats: int):
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, out
 
 
 def timed_round_robin(fns: dict, repeats: int) -> dict:
@@ -242,7 +233,7 @@ def main() -> None:
                 if temperature == 0.0:
                     row[f"{name}_equal_to_plain"] = [c.tokens for c in outs] == [c.tokens for c in plain]
             if batch == 1:
-                row.update(_hf_assisted(model, small, prompts, args, temperature, eos, row["plain_tok_s"]))
+                row.update(_hf_assisted(model, small, prompts, args, temperature, eos))
             rows.append(row)
             print(json.dumps(row), flush=True)
     variants = list(decoders)
@@ -258,7 +249,7 @@ def main() -> None:
     print(json.dumps({"model": path, "evals": evals, "rows": rows}))
 
 
-def _hf_assisted(model, small, prompts, args, temperature, eos, plain_tok_s) -> dict:
+def _hf_assisted(model, small, prompts, args, temperature, eos) -> dict:
     """HF generate with and without assistant_model, batch 1 (what HF supports)."""
     import torch
 
@@ -277,8 +268,8 @@ def _hf_assisted(model, small, prompts, args, temperature, eos, plain_tok_s) -> 
             n += out.shape[1] - ids.shape[1]
         return n
 
-    t_hf, n_hf = timed(lambda: run(None), 1)
-    t_as, n_as = timed(lambda: run(small), 1)
+    timings = timed_round_robin({"plain": lambda: run(None), "assist": lambda: run(small)}, 1)
+    (t_hf, n_hf), (t_as, n_as) = timings["plain"], timings["assist"]
     return {"hf_plain_tok_s": n_hf / t_hf, "hf_assist_tok_s": n_as / t_as,
             "hf_assist_speedup_vs_hf": (n_as / t_as) / (n_hf / t_hf)}
 
