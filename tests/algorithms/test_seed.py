@@ -179,14 +179,15 @@ def test_export_writes_drafter_spec(tmp_path):
 def test_self_data_uses_sampled_completions(caplog):
     model, tok = tiny()
     task = arith()
+    with caplog.at_level("WARNING", logger="algorithms.seed"):
+        SEED(SEEDConfig(data_source="self", self_anchor=False)).prepare_model(model)
+    assert "self_anchor=false" in caplog.text  # CE on own tokens was measured to destroy accuracy
+    caplog.clear()
     algo = SEED(SEEDConfig(data_source="self"))
     with caplog.at_level("WARNING", logger="algorithms.seed"):
         algo.prepare_model(model)
-    assert "data_source=self" in caplog.text  # measured to destroy accuracy; the user is told
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="algorithms.seed"):
         SEED(SEEDConfig()).prepare_model(model)
-    assert "data_source=self" not in caplog.text
+    assert "self_anchor" not in caplog.text
     examples = task.train_examples()[:3]
     c = ctx(model, tok, task, max_new_tokens=8)
     batch = algo.make_batch(examples, c)
@@ -197,6 +198,43 @@ def test_self_data_uses_sampled_completions(caplog):
         assert batch.input_ids[b][batch.loss_mask[b].bool()].tolist() == list(out.tokens)
     assert "seed/sample_length" in batch.metrics
     assert torch.isfinite(algo.loss(model, batch, batch.num_targets().float().clamp(min=1)).loss)
+
+
+def test_self_anchor_is_forward_kl_to_the_starting_weights():
+    """data_source=self: L_full = sum over the full model's trained positions of KL(p_start || p_model),
+    checked against the two models' plain HF logits; 0 at the start; the reference survives a
+    checkpoint round trip."""
+    model, tok = tiny()
+    task = arith()
+    algo = SEED(SEEDConfig(data_source="self", self_temperature=1.0))
+    c = ctx(model, tok, task, max_new_tokens=10)
+    batch = algo.make_batch(task.train_examples()[:4], c)  # the reference copy is taken here
+    assert batch.loss_mask.sum() > 4 and batch.teacher_hidden is not None
+    assert algo.terms(model, batch)["full"].abs() < 1e-5  # the model is still the starting model
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    with torch.no_grad():
+        logp = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.log_softmax(-1)
+        ref_model, _ = tiny()
+        ref_model.load_state_dict(start)
+        ref_logp = ref_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.log_softmax(-1)
+    expected = 0.0
+    for b in range(batch.input_ids.shape[0]):
+        for t in range(batch.input_ids.shape[1] - 1):
+            if batch.loss_mask[b, t + 1]:  # logits at t predict the completion token t + 1
+                expected += (ref_logp[b, t].exp() * (ref_logp[b, t] - logp[b, t])).sum().item()
+    full = algo.terms(model, batch)["full"]
+    assert expected > 1e-3
+    torch.testing.assert_close(full.item(), expected, rtol=1e-4, atol=1e-5)
+    # Resume: a fresh algorithm restored from the checkpoint state keeps the starting weights.
+    resumed = SEED(SEEDConfig(data_source="self", self_temperature=1.0))
+    resumed.load_state_dict(algo.state_dict())
+    batch2 = resumed.make_batch(task.train_examples()[:4], ctx(model, tok, task, max_new_tokens=10))
+    torch.testing.assert_close(resumed.terms(model, batch2)["full"], algo.terms(model, batch2)["full"])
+    assert resumed.terms(model, batch2)["full"] > 1e-3
+    assert SEED(SEEDConfig()).state_dict() == {}
 
 
 def test_train_smoke_writes_drafter(tmp_path, subprocess_env):
@@ -212,6 +250,39 @@ def test_train_smoke_writes_drafter(tmp_path, subprocess_env):
     evals = [r for r in records if r["split"] == "eval"]  # the trainer's eval reports the acceptance length
     assert [r["step"] for r in evals] == [0, 2] and all(r["seed/mean_accepted"] >= 1.0 for r in evals)
     assert "mean accepted length (greedy, tokens per verify forward): step 0" in proc.stdout
+
+
+def test_self_anchor_resume_matches_an_uninterrupted_run(tmp_path, subprocess_env):
+    """data_source=self through train.py: 4 steps, then the step-4 checkpoint removed and the run
+    resumed from step 2 gives the same steps 3-4 (the anchor's starting weights are checkpointed,
+    not re-taken from the resumed model)."""
+    import shutil
+
+    from trainer import checkpoint
+
+    out = tmp_path / "run"
+    args = tiny_overrides(out, "model.num_layers=4", "trainer.max_steps=4", "trainer.save_every=2",
+                          "trainer.eval_every=100", "trainer.max_new_tokens=16", "algo.data_source=self",
+                          "algo.self_temperature=1.0", algo="seed")
+
+    def run():
+        proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], env=subprocess_env,
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: (r["loss"], r["seed/loss_full"]) for r in rows if r["split"] == "train"}
+
+    whole = run()
+    for step, path in checkpoint.complete_checkpoints(str(out)):
+        if step > 2:
+            shutil.rmtree(path)
+    metrics = out / "metrics.jsonl"  # keep steps <= 2, so steps 3-4 can only come from the resumed run
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
+                               if json.loads(line)["step"] <= 2))
+    resumed = run()
+    assert whole[4][1] > 0  # the model moved away from its start, so the anchor is live
+    for step in (3, 4):
+        assert resumed[step] == pytest.approx(whole[step], rel=1e-5, abs=1e-7)
 
 
 def test_evaluate_drafter_reports_mean_accepted(monkeypatch):
