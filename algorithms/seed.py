@@ -48,7 +48,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 from torch import nn
@@ -79,6 +79,8 @@ class SEEDConfig:
     data_source: str = "solutions"  # solutions | self
     self_temperature: float = 0.0  # data_source=self: sampling temperature (0 = greedy)
     self_anchor: bool = True  # data_source=self: L_full = KL(p_start || p_model), not CE on own tokens
+    # The decoder pass calls the top layers' modules directly, outside FSDP2's unshard hooks.
+    supports_fsdp: ClassVar[bool] = False
     draft_len: int = 4  # runtime: max drafted tokens per verify (written to seed_drafter.json, used in eval)
     confidence: float = 0.7  # runtime: stop drafting when the drafter's top probability falls below this
     adaptive: bool = True  # runtime: confidence-based draft length; False = always draft_len drafts
@@ -300,15 +302,16 @@ class SEED:
     def anchor_terms(self, model: nn.Module, micro: Batch, hidden: torch.Tensor, full_sel: torch.Tensor,
                      next_ids: torch.Tensor) -> torch.Tensor:
         """sum over the full model's trained positions of KL(p_start || p_model) (full vocabulary)."""
-        head = output_head(model)
-        if head is None or micro.teacher_hidden is None or self.reference_head is None:
-            raise ValueError("algo.self_anchor needs a plain linear output head and make_batch's reference states "
-                             "(set algo.self_anchor=false to train with CE on the model's own tokens)")
+        if micro.teacher_hidden is None or self.reference_head is None:
+            raise ValueError("algo.self_anchor: the batch has no reference states (make_batch fills them)")
+        feats, head = hidden[full_sel], output_head(model)
+        if head is None:  # sharded head (ZeRO-3): the model's own module computes the logits
+            feats = causal_lm(model).lm_head(feats)  # (N_full, V)
         # teacher_hidden[:, t] predicts token t; hidden[:, t] predicts token t + 1: shift by one.
         ref = torch.nn.functional.pad(micro.teacher_hidden[:, 1:], (0, 0, 0, 0, 0, 1))  # (B, T, 1, H)
         div, _ = losses.chunked_self_distill(
-            hidden[full_sel], head, ref[full_sel], self.reference_head, next_ids[full_sel], beta=0.0,
-            chunk=losses.auto_chunk(head[0].shape[0], 1))  # (N_full,) forward KL
+            feats, head, ref[full_sel], self.reference_head, next_ids[full_sel], beta=0.0,
+            chunk=losses.auto_chunk(self.reference_head[0].shape[0], 1))  # (N_full,) forward KL
         return div.sum()
 
     def loss(self, model: nn.Module, micro: Batch, normaliser: torch.Tensor) -> StepOutput:
@@ -325,14 +328,24 @@ class SEED:
                          max_new_tokens: int) -> dict:
         """Greedy self-speculative decoding of held-out prompts with the trained drafter:
         {"seed/mean_accepted": tokens emitted per verify forward}. Empty (with a warning) when the
-        runtime (inference.speculative) is not available."""
+        runtime (inference.speculative) is not available or cannot run this model."""
         try:
             from inference import SamplingParams
+            from inference.lean import lean_unsupported_reason
             from inference.speculative import SpeculativeDecoder
         except ImportError as err:
             log.warning("SEED drafter eval skipped: inference.speculative is not available (%s)", err)
             return {}
         lm = causal_lm(model)
+        if any(m._forward_hooks or m._forward_pre_hooks for m in lm.modules()):
+            # A training engine's hooks (DeepSpeed ZeRO-1/2) on whole weights: decode a hook-free copy.
+            plain = type(lm)(lm.config).to(next(lm.parameters()).device)
+            plain.load_state_dict(lm.state_dict())
+            lm = plain
+        reason = lean_unsupported_reason(lm)
+        if reason is not None:
+            log.warning("SEED drafter eval skipped: speculative decoding cannot run this model (%s)", reason)
+            return {}
         was_training = lm.training
         lm.eval()
         try:

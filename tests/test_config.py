@@ -21,6 +21,7 @@ BAD_INPUTS = [
     (["+algo=sft", "algo.bogus=1"], "bogus"),
     (["+algo=sft", "backend=nope"], "backend/nope"),
     (["+algo=sft", "data.on_bad_row=maybe"], "data.on_bad_row=maybe"),
+    (["+algo=seed", "backend=fsdp"], "backend=fsdp: algo seed does not run under FSDP2"),
 ]
 
 

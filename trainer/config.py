@@ -240,6 +240,9 @@ def validate(cfg: TrainConfig) -> None:
     if t.prompt_sharing and not getattr(cfg.algo, "supports_prompt_sharing", False):
         raise ConfigError(f"trainer.prompt_sharing=true: algo {cfg.algo.name} does not sample groups of responses "
                           "per prompt (use it with +algo=grpo)")
+    if cfg.backend.name == "fsdp" and not getattr(cfg.algo, "supports_fsdp", True):
+        raise ConfigError(f"backend=fsdp: algo {cfg.algo.name} does not run under FSDP2 yet (use backend=ddp or "
+                          "backend=deepspeed)")
     if cfg.backend.name == "deepspeed" and cfg.backend.zero_stage not in (1, 2, 3):
         raise ConfigError(f"backend.zero_stage={cfg.backend.zero_stage} must be 1, 2 or 3 for deepspeed")
     if t.resume not in ("auto", "never") and not os.path.isdir(os.path.expanduser(t.resume)):

@@ -228,6 +228,9 @@ def test_self_anchor_is_forward_kl_to_the_starting_weights():
     full = algo.terms(model, batch)["full"]
     assert expected > 1e-3
     torch.testing.assert_close(full.item(), expected, rtol=1e-4, atol=1e-5)
+    with pytest.MonkeyPatch.context() as mp:  # a sharded head (ZeRO-3): the model's own lm_head module
+        mp.setattr("algorithms.seed.output_head", lambda m: None)
+        torch.testing.assert_close(algo.terms(model, batch)["full"].item(), expected, rtol=1e-4, atol=1e-5)
     # Resume: a fresh algorithm restored from the checkpoint state keeps the starting weights.
     resumed = SEED(SEEDConfig(data_source="self", self_temperature=1.0))
     resumed.load_state_dict(algo.state_dict())
@@ -292,6 +295,17 @@ def test_evaluate_drafter_reports_mean_accepted(monkeypatch):
     result = algo.evaluate_drafter(model, tok, task, task.test_examples()[:2], max_new_tokens=8)
     assert set(result) == {"seed/mean_accepted"} and result["seed/mean_accepted"] >= 1.0
     assert model.training == build_tiny(SPEC, seed=0)[0].training  # train/eval mode restored
+    # A training engine's forward hooks (DeepSpeed ZeRO-1/2): the eval decodes a hook-free copy, same result.
+    calls = []
+    handle = model.model.layers[0].register_forward_pre_hook(lambda *args: calls.append(1))
+    assert algo.evaluate_drafter(model, tok, task, task.test_examples()[:2], max_new_tokens=8) == result
+    handle.remove()
+    assert calls == []  # the hooked model itself was not run
+    peft_like = type("Wrapped", (torch.nn.Module,), {})()  # an architecture the runtime cannot run: skipped
+    peft_like.config, peft_like.lm = model.config, torch.nn.Linear(2, 2)
+    monkeypatch.setattr("algorithms.seed.causal_lm", lambda m: m)
+    assert algo.evaluate_drafter(peft_like, tok, task, task.test_examples()[:2], max_new_tokens=8) == {}
+    monkeypatch.undo()
     monkeypatch.setitem(sys.modules, "inference.speculative", None)  # runtime missing: skipped, no error
     assert algo.evaluate_drafter(model, tok, task, task.test_examples()[:2], max_new_tokens=8) == {}
 
