@@ -339,7 +339,8 @@ class SEED:
         lm = causal_lm(model)
         if any(m._forward_hooks or m._forward_pre_hooks for m in lm.modules()):
             # A training engine's hooks (DeepSpeed ZeRO-1/2) on whole weights: decode a hook-free copy.
-            plain = type(lm)(lm.config).to(next(lm.parameters()).device)
+            weight = next(lm.parameters())
+            plain = type(lm)(lm.config).to(device=weight.device, dtype=weight.dtype)
             plain.load_state_dict(lm.state_dict())
             lm = plain
         reason = lean_unsupported_reason(lm)
