@@ -17,6 +17,7 @@ import torch
 
 from algorithms.base import Batch, RolloutContext
 from algorithms.losses import logprob_gap
+from models.anatomy import no_kv_cache
 from trainer import checkpoint
 from trainer.distributed import World
 from trainer.evaluation import evaluate
@@ -116,7 +117,9 @@ def train_step(s: Session, batch: Batch) -> dict:
         if s.activations is not None:  # the policy-update exposure of these tokens, known before backward
             exposure = getattr(s.algo, "exposure", None)
             s.activations.set_exposure(exposure(micro) if exposure is not None else None)
-        with backend.accumulate(last=i == len(micros) - 1), _autocast(world.device):
+        # no KV cache in training forwards: activation recompute would append the same keys twice
+        with backend.accumulate(last=i == len(micros) - 1), _autocast(world.device), \
+                no_kv_cache(backend.train_model):
             out = s.algo.loss(backend.train_model, micro, normaliser)
         _check_finite(s, out.loss, i, micro)
         backend.backward(out.loss)

@@ -1,0 +1,109 @@
+"""The anatomy of a Hugging Face causal LM, through any wrapper: the one place that knows where the
+decoder, its layers, the output head and the final hidden states are.
+
+Every trainer, algorithm and benchmark that needs a piece of the model asks here, so a wrapper
+(DDP, DeepSpeed, PEFT) or an architecture difference is handled once:
+
+    lm = causal_lm(model)                  # the *ForCausalLM inside DDP / DeepSpeed / PEFT
+    layers = decoder_layers(model)         # the repeated transformer blocks
+    hidden = final_hidden(model, ids, mask)  # (B, T, H) final normed states, logits of 1 position only
+    head = output_head(model)              # (weight (V, H), bias) or None when not a plain linear
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+Head = tuple[Tensor, Optional[Tensor]]  # (weight (V, H), bias (V,) or None) of the output layer
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside DDP / DeepSpeed wrappers (their `.module`)."""
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The HF *ForCausalLM inside wrappers (DDP / DeepSpeed, then PEFT)."""
+    inner = unwrap(model)
+    if hasattr(inner, "get_base_model"):  # peft
+        inner = inner.get_base_model()
+    return inner
+
+
+def decoder(model: nn.Module) -> nn.Module:
+    """The decoder stack (embeddings -> layers -> final norm) of a causal LM, through any wrapper."""
+    lm = causal_lm(model)
+    return lm.get_decoder() if hasattr(lm, "get_decoder") else getattr(lm, "model", lm)
+
+
+def decoder_layers(model: nn.Module, user: str = "this") -> nn.ModuleList:
+    """The repeated transformer blocks (`model.model.layers` for Llama / Qwen / Mistral ...).
+    `user` names the feature asking, for the error on a model without them."""
+    layers = getattr(decoder(model), "layers", None)
+    if layers is None:
+        raise ValueError(f"{user}: cannot find the decoder layers (get_decoder().layers) of "
+                         f"{type(causal_lm(model)).__name__}")
+    return layers
+
+
+def output_head(model: nn.Module) -> Optional[Head]:
+    """(weight (V, H), bias) of the output layer when it can be applied directly to final hidden
+    states; None when not (sharded FSDP2 / ZeRO-3 weights, logit soft-capping or scaling): then a
+    caller falls back to the model's own logits."""
+    inner = unwrap(model)
+    head = inner.get_output_embeddings()
+    config = getattr(inner, "config", None)
+    if not isinstance(head, nn.Linear) or getattr(config, "final_logit_softcapping", None) or \
+            getattr(config, "logit_scale", None):
+        return None
+    weight = head.weight
+    if type(weight.data) is not torch.Tensor or weight.numel() == 0:  # DTensor shard or ZeRO-3 partition
+        return None
+    return weight, head.bias
+
+
+@contextlib.contextmanager
+def capture_final_hidden(model: nn.Module) -> Iterator[dict[str, Tensor]]:
+    """Within the block, each forward of `model` stores the decoder's output (the final normed hidden
+    states (B, T, H)) in the yielded dict under "hidden". One hook on the decoder, removed on exit."""
+    store: dict[str, Tensor] = {}
+
+    def hook(module, args, out):
+        store["hidden"] = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+    handle = decoder(model).register_forward_hook(hook)
+    try:
+        yield store
+    finally:
+        handle.remove()
+
+
+def final_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, **kwargs) -> Tensor:
+    """Final (normed) hidden states (B, T, H) through any wrapper, without the full logits: the
+    forward keeps the logits of one position only. `kwargs` go to the model call (e.g. position_ids)."""
+    with capture_final_hidden(model) as store:
+        model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, **kwargs)
+    return store["hidden"]
+
+
+@contextlib.contextmanager
+def no_kv_cache(model: nn.Module) -> Iterator[None]:
+    """Training forwards inside the block build no KV cache (`config.use_cache` off, restored after).
+
+    A cache is useless in a training forward, and harmful when a layer's forward runs twice for one
+    token (activation recompute): the second run appends the same keys again and attention sees
+    2T keys for T queries."""
+    config = getattr(causal_lm(model), "config", None)
+    previous = getattr(config, "use_cache", None)
+    if config is not None:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if config is not None:
+            config.use_cache = previous
