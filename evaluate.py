@@ -23,9 +23,11 @@ def main(argv: list[str]) -> int:
     from trainer.distributed import World
     from trainer.evaluation import evaluate
     from trainer.setup import build_task_from, load_model
+    from trainer.warm_start import ensure
 
     world = World()
-    model, tokenizer = load_model(cfg.model, world, cfg.seed)
+    ensure(cfg.model, world)  # the default model, when no model.path is given
+    model, tokenizer = load_model(cfg.model, world)
     task = build_task_from(cfg.data)
     examples = list(task.test_examples())[: cfg.trainer.eval_examples]
     result = evaluate(model.eval(), tokenizer, task, examples, world, cfg.trainer.eval_max_new_tokens)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-EXIT_CONFIG, EXIT_DATA, EXIT_NONFINITE = 2, 3, 4
+EXIT_CONFIG, EXIT_DATA, EXIT_NONFINITE, EXIT_WARM_START = 2, 3, 4, 5
 
 
 def main(argv: list[str]) -> int:
@@ -24,16 +24,18 @@ def main(argv: list[str]) -> int:
 
 
 def run(cfg) -> int:
-    from trainer.data import DataError
+    from tasks import DataError
     from trainer.distributed import init_world, launched_world_size, shutdown
     from trainer.loop import NonFiniteLossError, fit
     from trainer.setup import build_session, export_final
+    from trainer.warm_start import WarmStartError, ensure
 
     if cfg.backend.name == "auto":
         cfg.backend.name = "ddp" if launched_world_size() > 1 else "single"
     world = init_world(cfg.backend.dist_timeout_s)
     code = 0
     try:
+        ensure(cfg.model, world)  # the default model's warm-start stage (built once, cached)
         session = build_session(cfg, world)
         status = fit(session)
         session.tracker.close()
@@ -41,7 +43,7 @@ def run(cfg) -> int:
             final = export_final(session)
             if world.is_main:
                 print(f"done: {session.step} steps; artifact in {final}", flush=True)
-                print(accuracy_summary(session.evals), flush=True)
+                print(accuracy_summary(session.evals, session.caps.summary_metrics), flush=True)
         elif world.is_main:
             print(f"stopped by signal at step {session.step}; checkpoint saved in {cfg.output_dir}/checkpoints "
                   "(rerun the same command to resume)", flush=True)
@@ -51,22 +53,27 @@ def run(cfg) -> int:
     except NonFiniteLossError as err:
         print(f"error: {err}", file=sys.stderr)
         code = EXIT_NONFINITE
+    except WarmStartError as err:
+        print(f"error: {err}", file=sys.stderr)
+        code = EXIT_WARM_START
     if world.distributed:
         shutdown(world, code)  # does not return: see shutdown() for why
     return code
 
 
-def accuracy_summary(evals: list[dict]) -> str:
-    """'held-out accuracy: before A (teacher with reference T) -> after B' from this run's evals."""
+def accuracy_summary(evals: list[dict], extra: dict[str, str] | None = None) -> str:
+    """'held-out accuracy: before A (teacher with reference T) -> after B' from this run's evals, then
+    one 'NAME: before -> after' line per `extra` eval metric (the algorithm's summary_metrics)."""
     if not evals:
         return "held-out accuracy: no evaluation ran"
     first, last = evals[0], evals[-1]
     teacher = f" (teacher prompt with reference {first['teacher_accuracy']:.3f})" if "teacher_accuracy" in first else ""
     before = f"step {first['step']} {first['accuracy']:.3f}{teacher}"
     line = f"held-out accuracy (n={last['n']}): {before} -> step {last['step']} {last['accuracy']:.3f}"
-    if "seed/mean_accepted" in first:  # a drafter: tokens per verify forward of self-speculative decoding
-        line += (f"\nmean accepted length (greedy, tokens per verify forward): step {first['step']} "
-                 f"{first['seed/mean_accepted']:.2f} -> step {last['step']} {last.get('seed/mean_accepted', float('nan')):.2f}")
+    for key, label in (extra or {}).items():
+        if key in first:
+            line += (f"\n{label}: step {first['step']} {first[key]:.2f} -> step {last['step']} "
+                     f"{last.get(key, float('nan')):.2f}")
     return line
 
 

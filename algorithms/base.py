@@ -1,7 +1,9 @@
 """The algorithm interface: how a training batch is made and what its loss is.
 
-An algorithm never touches process groups, optimizers or files: the trainer (trainer/loop.py)
-calls, per step,
+An algorithm never touches process groups, optimizers or files. The contract is `Algorithm` below;
+optional capabilities (`ChecksTask`, `GroupedRollouts`, `SharesPrompts`, `ExposesTokens`,
+`EvaluatesDrafter`) are typed protocols resolved once at setup into `Capabilities`, and the config
+declares `Traits`. The trainer (trainer/loop.py) calls, per step,
 
     batch = algo.make_batch(examples, ctx)       # no grad: rollouts, teacher passes, rewards
     for micro in batch.micro_batches(n):          # grad accumulation
@@ -17,10 +19,30 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
+
+from models.anatomy import Head
+
+
+@dataclass
+class TeacherTerms:
+    """What the no-grad teacher pass of make_batch leaves for the loss (OPSD, MASS, TESD, SEED's anchor)."""
+
+    hidden: Tensor  # (B, T, K, H) teacher final hidden states predicting token t, under K prompts
+    head: Head  # the teacher's output head (V, H) when the batch was made: shared by all rows, never split
+
+
+@dataclass
+class PolicyTerms:
+    """Per-row policy-gradient terms (GRPO; TESD's teacher rows)."""
+
+    advantages: Tensor  # (B,)
+    old_logprobs: Optional[Tensor] = None  # (B, T) policy log-probs when the rollouts were made (multi-pass RL)
+    ref_logprobs: Optional[Tensor] = None  # (B, T) reference-model log-probs (KL penalty)
+    prompt_lengths: Optional[Tensor] = None  # (B,) long: tokens of each row's prompt
 
 
 @dataclass
@@ -35,18 +57,16 @@ class Batch:
     attention_mask: Tensor  # (B, T) 1 on real tokens
     loss_mask: Tensor  # (B, T) 1 on completion tokens that are trained
     rollout_logprobs: Optional[Tensor] = None  # (B, T) sampler log-prob of each completion token
-    advantages: Optional[Tensor] = None  # (B,)
     token_weights: Optional[Tensor] = None  # (B, T)
-    teacher_hidden: Optional[Tensor] = None  # (B, T, K, H) teacher final hidden states predicting token t
     row_group: Optional[Tensor] = None  # (B,) long: loss group of each row, each normalised on its own
     num_groups: int = 1
-    old_logprobs: Optional[Tensor] = None  # (B, T) policy log-probs when the rollouts were made (multi-pass RL)
-    ref_logprobs: Optional[Tensor] = None  # (B, T) reference-model log-probs (KL penalty)
     row_units: Optional[Tensor] = None  # (B,) normalisation units per row; None = its loss tokens
-    prompt_lengths: Optional[Tensor] = None  # (B,) long: tokens of each row's prompt
     share_group: Optional[Tensor] = None  # (B,) long: rows with one id share a prompt; micro-batches keep them together
     uids: list[str] = field(default_factory=list)
     metrics: dict[str, Tensor] = field(default_factory=dict)  # rank-local scalars from make_batch, logged
+    # Terms only some algorithms make, grouped so the batch does not grow a field per algorithm.
+    teacher: Optional["TeacherTerms"] = None  # self-distillation: the teacher's view of each row
+    policy: Optional["PolicyTerms"] = None  # policy gradient: advantages and the log-probs they compare to
 
     def __post_init__(self) -> None:
         assert self.input_ids.dim() == 2, f"input_ids must be (B, T), got {tuple(self.input_ids.shape)}"
@@ -65,16 +85,10 @@ class Batch:
             0, self.row_group, per_row)
 
     def _map(self, fn: Callable[[Tensor], Tensor], rows: Optional[Tensor] = None) -> "Batch":
-        """Apply `fn` to every tensor field; `rows` (an index tensor) also selects from list fields."""
-        values = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, Tensor):
-                v = fn(v)
-            elif isinstance(v, list) and rows is not None:
-                v = [v[i] for i in rows.tolist()]
-            values[f.name] = v
-        return Batch(**values)
+        """Apply `fn` to every per-row tensor (fields, and those of the grouped terms); `rows` (an index
+        tensor) also selects from list fields. Values that are not tensors (e.g. the teacher head, a
+        tuple) are shared by all rows and pass unchanged."""
+        return _map_fields(self, fn, rows)
 
     def to(self, device: torch.device) -> "Batch":
         return self._map(lambda t: t.to(device))
@@ -96,6 +110,20 @@ class Batch:
             idx = rows.to(self.input_ids.device)
             out.append(self._map(lambda t: t[idx][:, :width] if t.dim() >= 2 else t[idx], rows))
         return out
+
+
+def _map_fields(obj: Any, fn: Callable[[Tensor], Tensor], rows: Optional[Tensor]) -> Any:
+    values = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, Tensor):
+            v = fn(v)
+        elif isinstance(v, (TeacherTerms, PolicyTerms)):
+            v = _map_fields(v, fn, rows)
+        elif isinstance(v, list) and v and rows is not None:  # uids may be left empty
+            v = [v[i] for i in rows.tolist()]
+        values[f.name] = v
+    return type(obj)(**values)
 
 
 @dataclass
@@ -135,7 +163,10 @@ class RolloutContext:
         return Engine(self.policy)
 
 
+@runtime_checkable
 class Algorithm(Protocol):
+    """What every algorithm provides. The trainer checks it once at setup (`capabilities`)."""
+
     name: str
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -150,6 +181,83 @@ class Algorithm(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+# --- optional capabilities: an algorithm has one by implementing it; `capabilities` resolves them once.
+
+
+@runtime_checkable
+class ChecksTask(Protocol):
+    def check_task(self, task: Any) -> None:
+        """Raise (a DataError naming the example) when the task cannot feed this algorithm."""
+
+
+@runtime_checkable
+class GroupedRollouts(Protocol):
+    rows_per_prompt: int  # training rows made per prompt (sets the micro-batch count)
+
+
+TokenLogprobs = Callable[..., Tensor]  # (model, input_ids, attention_mask, prompt_lengths, temperature, chunk) -> (B, T)
+
+
+@runtime_checkable
+class SharesPrompts(Protocol):
+    def share_prompts(self, token_logprobs: TokenLogprobs) -> None:
+        """Compute the loss's log-probs with `token_logprobs` (one forward per prompt group); the
+        batch then keeps each group in one micro-batch."""
+
+
+@runtime_checkable
+class ExposesTokens(Protocol):
+    def exposure(self, micro: Batch) -> Tensor:
+        """(B, T) |dL/dlogp| per token as known before the forward (activation management)."""
+
+
+@runtime_checkable
+class EvaluatesDrafter(Protocol):
+    summary_metrics: dict[str, str]  # eval metric -> how train.py's before -> after summary names it
+
+    def evaluate_drafter(self, model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any],
+                         max_new_tokens: int) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the trainer may ask of one algorithm beyond the contract, resolved once at setup."""
+
+    rows_per_prompt: int = 1
+    check_task: Optional[Callable[[Any], None]] = None
+    share_prompts: Optional[Callable[[TokenLogprobs], None]] = None
+    exposure: Optional[Callable[[Batch], Tensor]] = None
+    evaluate_drafter: Optional[Callable[..., dict]] = None
+    summary_metrics: dict[str, str] = field(default_factory=dict)
+
+
+def capabilities(algo: Any) -> Capabilities:
+    """Check `algo` against the contract and list its optional capabilities; TypeError naming what
+    is missing."""
+    required = ("name", "prepare_model", "make_batch", "loss", "export", "state_dict", "load_state_dict")
+    missing = [m for m in required if not hasattr(algo, m)]
+    if missing or not isinstance(algo, Algorithm):
+        raise TypeError(f"{type(algo).__name__} does not implement the Algorithm contract: missing {', '.join(missing)}")
+    drafter = isinstance(algo, EvaluatesDrafter)
+    return Capabilities(
+        rows_per_prompt=algo.rows_per_prompt if isinstance(algo, GroupedRollouts) else 1,
+        check_task=algo.check_task if isinstance(algo, ChecksTask) else None,
+        share_prompts=algo.share_prompts if isinstance(algo, SharesPrompts) else None,
+        exposure=algo.exposure if isinstance(algo, ExposesTokens) else None,
+        evaluate_drafter=algo.evaluate_drafter if drafter else None,
+        summary_metrics=dict(algo.summary_metrics) if drafter else {},
+    )
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What an algorithm's config declares before anything is built (checked by config validation)."""
+
+    needs_reference: bool = False  # the teacher prompt carries the reference solution
+    prompt_sharing: bool = False  # samples groups of responses per prompt: trainer.prompt_sharing applies
+    fsdp: bool = True  # runs under backend=fsdp
 
 
 def pad_right(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:

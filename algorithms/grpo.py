@@ -25,7 +25,8 @@ References read for the semantics (no code taken): TRL `GRPOTrainer._compute_los
 Log-probs come from final hidden states and the output head a chunk of tokens at a time, logits
 divided by the sampling temperature (algorithms.losses.chunked_token_logprobs): no [B, T, V] fp32
 logits. `trainer.prompt_sharing=true` computes each prompt once per group and replays the G responses
-against its K/V (trainer/prompt_sharing.py), with the same loss and gradients.
+against its K/V, with the same loss and gradients: the trainer hands `share_prompts` the log-prob
+function of trainer/prompt_sharing.py.
 
     python train.py +algo=grpo
     torchrun --standalone --nproc_per_node=2 train.py +algo=grpo trainer.activations=hilore
@@ -42,12 +43,13 @@ import torch
 from torch import nn
 
 from algorithms import losses
-from algorithms.base import Batch, RolloutContext, StepOutput
-from algorithms.opsd import (
-    LoRAOptions, SelfTeacher, encode, export_model, prepare_model, rollout_batch, sample,
-    scatter_tokens, student_features,
-)
-from trainer.data import score
+from algorithms.base import Batch, PolicyTerms, RolloutContext, StepOutput, TokenLogprobs, Traits
+from algorithms.rollouts import encode, rollout_batch, sample
+from algorithms.scoring import scatter_tokens, student_features
+from algorithms.teacher import SelfTeacher
+from models.export import export_model
+from models.lora import LoRAOptions, train_all_or_lora
+from tasks import score
 
 LOSS_TYPES = ("token-mean", "seq-mean-token-mean", "dr_grpo")
 SCALES = ("group", "batch", "none")
@@ -56,12 +58,12 @@ REWARD_MODES = ("answer", "steps", "partial")
 
 @dataclass
 class GRPOConfig(LoRAOptions):
-    supports_prompt_sharing: ClassVar[bool] = True
+    traits: ClassVar[Traits] = Traits(prompt_sharing=True)
     name: str = "grpo"
     num_generations: int = 8  # G completions per prompt
     temperature: float = 1.0  # rollout temperature; the loss divides logits by it too
     top_p: float = 1.0
-    reward_mode: str = "steps"  # answer | steps | partial (trainer.data.score)
+    reward_mode: str = "steps"  # answer | steps | partial (tasks.score)
     reward_fn: Optional[str] = None  # "module:function" -> float | None, replaces the verifier reward
     format_weight: float = 0.0  # added when the completion states a final answer the verifier reads
     scale_rewards: str = "group"  # group | batch | none
@@ -180,7 +182,7 @@ class GRPO:
 
     def __init__(self, cfg: GRPOConfig):
         self.cfg = cfg
-        self.prompt_sharing = False  # set by the trainer from trainer.prompt_sharing
+        self.shared_logprobs: Optional[TokenLogprobs] = None  # trainer.prompt_sharing: see share_prompts
         self.reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else None
         self.reference = SelfTeacher("fixed", 0.0)  # the starting weights, for the KL term
         self._reuse: Optional[Batch] = None  # the generated batch while it serves num_iterations steps
@@ -193,8 +195,13 @@ class GRPO:
     def rows_per_prompt(self) -> int:
         return self.cfg.num_generations
 
+    def share_prompts(self, token_logprobs: TokenLogprobs) -> None:
+        """trainer.prompt_sharing: the loss takes its log-probs from `token_logprobs` (one packed forward
+        per prompt group), and each prompt's G rows stay in one micro-batch."""
+        self.shared_logprobs = token_logprobs
+
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        return prepare_model(model, self.cfg)
+        return train_all_or_lora(model, self.cfg)
 
     # --- rollouts -------------------------------------------------------------------------------
 
@@ -212,9 +219,9 @@ class GRPO:
         adv, zero_std = group_advantages(rewards, valid, g, c.advantage_eps, c.scale_rewards, ctx.world)
         batch = rollout_batch(rows, outs, tok.pad_token_id, ctx.device,
                               [f"{ex.uid}/{k}" for ex in examples for k in range(g)])
-        batch.advantages = adv.to(ctx.device)
-        batch.prompt_lengths = torch.tensor([len(p) for p in rows], device=ctx.device)
-        if self.prompt_sharing:
+        batch.policy = PolicyTerms(adv.to(ctx.device),
+                                   prompt_lengths=torch.tensor([len(p) for p in rows], device=ctx.device))
+        if self.shared_logprobs is not None:
             batch.share_group = torch.arange(len(examples), device=ctx.device).repeat_interleave(g)
         if c.loss_type == "seq-mean-token-mean":
             batch.row_units = torch.ones(len(rows), device=ctx.device)
@@ -222,10 +229,10 @@ class GRPO:
             batch.row_units = torch.full((len(rows),), float(ctx.max_new_tokens), device=ctx.device)
         chunk = c.loss_chunk_tokens
         if c.num_iterations > 1:
-            batch.old_logprobs = policy_logprobs(ctx.policy, batch, c.temperature, chunk, c.logprob_batch_size)
+            batch.policy.old_logprobs = policy_logprobs(ctx.policy, batch, c.temperature, chunk, c.logprob_batch_size)
         if c.beta > 0:
             with self.reference.weights(ctx.policy) as ref:
-                batch.ref_logprobs = policy_logprobs(ref, batch, c.temperature, chunk, c.logprob_batch_size)
+                batch.policy.ref_logprobs = policy_logprobs(ref, batch, c.temperature, chunk, c.logprob_batch_size)
         lengths = torch.tensor([float(len(o.tokens)) for o in outs])
         batch.metrics = {**metrics, "grpo/frac_zero_std": zero_std.float().mean(),
                          "grpo/advantage_abs": adv.abs().mean(), "rollout/length": lengths.mean(),
@@ -266,11 +273,9 @@ class GRPO:
     def token_logprobs(self, model: nn.Module, micro: Batch) -> torch.Tensor:
         """(N,) log-probs (with grad) of the micro-batch's completion tokens, in loss_mask order."""
         c, sel = self.cfg, micro.loss_mask.bool()
-        if self.prompt_sharing:
-            from trainer.prompt_sharing import shared_prompt_logprobs
-
-            return shared_prompt_logprobs(model, micro.input_ids, micro.attention_mask, micro.prompt_lengths,
-                                          c.temperature, c.loss_chunk_tokens)[sel]
+        if self.shared_logprobs is not None:
+            return self.shared_logprobs(model, micro.input_ids, micro.attention_mask, micro.policy.prompt_lengths,
+                                        c.temperature, c.loss_chunk_tokens)[sel]
         feats, head = student_features(model, micro.input_ids, micro.attention_mask)
         chunk = c.loss_chunk_tokens or losses.auto_chunk(feats.shape[-1] if head is None else head[0].shape[0], 0)
         return losses.chunked_token_logprobs(feats[sel], head, micro.input_ids[sel], c.temperature, chunk)
@@ -286,17 +291,18 @@ class GRPO:
     def exposure(self, micro: Batch) -> torch.Tensor:
         """(B, T) |dL/dlogp| per token as known before the forward (rho taken as 1): |A| x the token's
         weight. Tokens of zero-advantage rows are not exposed at all (trainer/activations.py)."""
-        return micro.advantages.abs().unsqueeze(1) * self.token_weights(micro)
+        return micro.policy.advantages.abs().unsqueeze(1) * self.token_weights(micro)
 
     def loss(self, model: nn.Module, micro: Batch, normaliser: torch.Tensor) -> StepOutput:
         c, sel = self.cfg, micro.loss_mask.bool()
         logp = self.token_logprobs(model, micro)  # (N,)
-        adv = micro.advantages.unsqueeze(1).expand_as(sel)[sel]
-        old = micro.old_logprobs[sel] if micro.old_logprobs is not None else logp.detach()
+        terms = micro.policy
+        adv = terms.advantages.unsqueeze(1).expand_as(sel)[sel]
+        old = terms.old_logprobs[sel] if terms.old_logprobs is not None else logp.detach()
         per_token = losses.clipped_policy_gradient(logp, old, adv, c.epsilon_low, c.epsilon_high)
         metrics: dict[str, torch.Tensor] = {}
         if c.beta > 0:
-            kl = k3_kl(micro.ref_logprobs[sel], logp)
+            kl = k3_kl(terms.ref_logprobs[sel], logp)
             per_token = per_token + c.beta * kl
             metrics["grpo/kl"] = _mean(kl.detach())
         weights = self.token_weights(micro)[sel]

@@ -12,6 +12,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from models.anatomy import Head
+
 
 def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
     """log_softmax(logits / T) gathered at the next tokens. logits (B, T, V), ids (B, T) -> (B, T)."""
@@ -156,7 +158,6 @@ def clipped_policy_gradient(logp: Tensor, old_logp: Tensor, advantages: Tensor, 
 # and build logits `CHUNK` tokens at a time; the student chunk is recomputed in backward
 # (activation checkpointing), so no more than one chunk of logits is ever alive.
 
-Head = tuple[Tensor, Optional[Tensor]]  # output-head (weight (V, H), bias (V,) or None)
 CHUNK_LOGIT_ELEMENTS = 2 ** 26  # fp32 logits per chunk over student + views (256 MiB) for auto chunking
 MIN_CHUNK, MAX_CHUNK = 16, 4096
 

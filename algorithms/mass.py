@@ -42,20 +42,23 @@ import torch
 from torch import nn
 
 from algorithms import losses
-from algorithms.base import Batch, RolloutContext, StepOutput
-from algorithms.opsd import (
-    OPSDConfig, SelfTeacher, check_self_distill_config, chunk_size, detached_head, distill_loss, encode, export_model,
-    final_hidden, predicting, prepare_model, require_references, rollout_batch, rollout_metrics, sample, teacher_hidden,
-)
-from trainer.data import mask_spans
-from trainer.data.base import split_sentences
+from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms
+from algorithms.rollouts import encode, require_references, rollout_batch, rollout_metrics, sample
+from algorithms.scoring import detached_head, predicting, teacher_hidden
+from algorithms.selfdistill import SelfDistillConfig, check_self_distill_config, chunk_size, distill_loss
+from algorithms.teacher import SelfTeacher
+from models.anatomy import final_hidden
+from models.export import export_model
+from models.lora import train_all_or_lora
+from tasks import mask_spans
+from tasks.base import split_sentences
 
 SPAN_UNITS = ("step", "sentence", "tokens")
 MAX_TRACKED_EXAMPLES = 100_000  # influence scores kept per uid (oldest dropped first)
 
 
 @dataclass
-class MASSConfig(OPSDConfig):
+class MASSConfig(SelfDistillConfig):
     name: str = "mass"
     num_views: int = 4  # K masked views of the reference per question
     mask_ratio: float = 0.3  # share of spans masked in each view
@@ -201,10 +204,9 @@ class MASS:
         self.rng = random.Random(cfg.seed)
         self.teacher = SelfTeacher(cfg.teacher, cfg.ema_decay)
         self.influence = InfluenceTracker(cfg.influence_decay, cfg.position_buckets)
-        self.teacher_head: Optional[losses.Head] = None
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        return prepare_model(model, self.cfg)
+        return train_all_or_lora(model, self.cfg)
 
     def check_task(self, task: Any) -> None:
         require_references(task.train_examples(), self.name)
@@ -228,10 +230,9 @@ class MASS:
         references, masks, focus = zip(*(self.views(ex, task, tok) for ex in examples))
         views = [[encode(tok, task.teacher_prompt(ex, r)) for r in refs] for ex, refs in zip(examples, references)]
         with self.teacher.weights(ctx.policy) as teacher:
-            batch.teacher_hidden = teacher_hidden(teacher, views, [x.tokens for x in completions],
-                                                  [len(p) for p in prompts], batch.input_ids.shape[1],
-                                                  c.teacher_batch_size, ctx.device)  # (B, T, K, H)
-            self.teacher_head = detached_head(teacher)
+            hidden = teacher_hidden(teacher, views, [x.tokens for x in completions], [len(p) for p in prompts],
+                                    batch.input_ids.shape[1], c.teacher_batch_size, ctx.device)  # (B, T, K, H)
+            batch.teacher = TeacherTerms(hidden, detached_head(teacher))
         batch.metrics, _ = rollout_metrics(task, tok, examples, completions, "rollout")
         if c.gate or c.adaptive_masking:
             self._gate_and_influence(batch, examples, list(masks), ctx)
@@ -247,8 +248,8 @@ class MASS:
         hidden = final_hidden(ctx.policy, batch.input_ids, batch.attention_mask)
         student = predicting(hidden)[sel]  # (N, H)
         stats = losses.self_distill_diagnostics(
-            student, detached_head(ctx.policy), batch.teacher_hidden[sel], self.teacher_head,
-            temperature=c.temperature, aggregate=c.aggregate, chunk=chunk_size(c, self.teacher_head, batch))
+            student, detached_head(ctx.policy), batch.teacher.hidden[sel], batch.teacher.head,
+            temperature=c.temperature, aggregate=c.aggregate, chunk=chunk_size(c, batch.teacher.head, batch))
         n = max(int(sel.sum()), 1)
         batch.metrics.update({"mass/view_disagreement": stats["disagreement"].sum() / n,
                               "mass/correction": stats["correction"].sum() / n,
@@ -270,7 +271,7 @@ class MASS:
                     self.influence.update(ex.uid, span_influence(masks[b], shift))
 
     def loss(self, model: nn.Module, micro: Batch, normaliser: torch.Tensor) -> StepOutput:
-        return distill_loss(model, micro, normaliser, self.cfg, self.teacher_head, prefix=self.name)
+        return distill_loss(model, micro, normaliser, self.cfg, prefix=self.name)
 
     def export(self, model: nn.Module, tokenizer: Any, out_dir: str) -> None:
         export_model(model, tokenizer, out_dir, self.name)

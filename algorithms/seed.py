@@ -54,11 +54,12 @@ import torch
 from torch import nn
 
 from algorithms import losses
-from algorithms.base import Batch, RolloutContext, StepOutput, pad_right
-from algorithms.opsd import (
-    SelfTeacher, causal_lm, completion_mask, detached_head, encode, export_model, output_head, sample,
-    teacher_hidden,
-)
+from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms, Traits, pad_right
+from algorithms.rollouts import completion_mask, encode, sample
+from algorithms.scoring import detached_head, teacher_hidden
+from algorithms.teacher import SelfTeacher
+from models.anatomy import causal_lm, output_head
+from models.export import export_model
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class SEEDConfig:
     self_temperature: float = 0.0  # data_source=self: sampling temperature (0 = greedy)
     self_anchor: bool = True  # data_source=self: L_full = KL(p_start || p_model), not CE on own tokens
     # The decoder pass calls the top layers' modules directly, outside FSDP2's unshard hooks.
-    supports_fsdp: ClassVar[bool] = False
+    traits: ClassVar[Traits] = Traits(fsdp=False)
     draft_len: int = 4  # runtime: max drafted tokens per verify (written to seed_drafter.json, used in eval)
     confidence: float = 0.7  # runtime: stop drafting when the drafter's top probability falls below this
     adaptive: bool = True  # runtime: confidence-based draft length; False = always draft_len drafts
@@ -239,11 +240,12 @@ def target_argmax(features: torch.Tensor, model: nn.Module) -> torch.Tensor:
 
 class SEED:
     name = "seed"
+    # eval metric -> its line in train.py's before -> after summary
+    summary_metrics = {"seed/mean_accepted": "mean accepted length (greedy, tokens per verify forward)"}
 
     def __init__(self, cfg: SEEDConfig):
         self.cfg = cfg
         self.reference = SelfTeacher("fixed", 0.0)  # the starting weights (data_source=self anchor)
-        self.reference_head: losses.Head | None = None
 
     @property
     def anchored(self) -> bool:
@@ -272,10 +274,9 @@ class SEED:
         if self.anchored:
             with torch.no_grad(), self.reference.weights(ctx.policy) as ref:
                 # [b, t] = the starting model's state predicting token t (the completion's positions).
-                batch.teacher_hidden = teacher_hidden(ref, [[p] for p in prompts], targets,
-                                                      [len(p) for p in prompts], ids.shape[1], len(prompts),
-                                                      ctx.device)
-                self.reference_head = detached_head(ref)
+                hidden = teacher_hidden(ref, [[p] for p in prompts], targets, [len(p) for p in prompts],
+                                        ids.shape[1], len(prompts), ctx.device)
+                batch.teacher = TeacherTerms(hidden, detached_head(ref))
         return batch
 
     def terms(self, model: nn.Module, micro: Batch) -> dict[str, torch.Tensor]:
@@ -302,16 +303,17 @@ class SEED:
     def anchor_terms(self, model: nn.Module, micro: Batch, hidden: torch.Tensor, full_sel: torch.Tensor,
                      next_ids: torch.Tensor) -> torch.Tensor:
         """sum over the full model's trained positions of KL(p_start || p_model) (full vocabulary)."""
-        if micro.teacher_hidden is None or self.reference_head is None:
+        if micro.teacher is None:
             raise ValueError("algo.self_anchor: the batch has no reference states (make_batch fills them)")
         feats, head = hidden[full_sel], output_head(model)
         if head is None:  # sharded head (ZeRO-3): the model's own module computes the logits
             feats = causal_lm(model).lm_head(feats)  # (N_full, V)
         # teacher_hidden[:, t] predicts token t; hidden[:, t] predicts token t + 1: shift by one.
-        ref = torch.nn.functional.pad(micro.teacher_hidden[:, 1:], (0, 0, 0, 0, 0, 1))  # (B, T, 1, H)
+        ref = torch.nn.functional.pad(micro.teacher.hidden[:, 1:], (0, 0, 0, 0, 0, 1))  # (B, T, 1, H)
+        ref_head = micro.teacher.head
         div, _ = losses.chunked_self_distill(
-            feats, head, ref[full_sel], self.reference_head, next_ids[full_sel], beta=0.0,
-            chunk=losses.auto_chunk(self.reference_head[0].shape[0], 1))  # (N_full,) forward KL
+            feats, head, ref[full_sel], ref_head, next_ids[full_sel], beta=0.0,
+            chunk=losses.auto_chunk(ref_head[0].shape[0], 1))  # (N_full,) forward KL
         return div.sum()
 
     def loss(self, model: nn.Module, micro: Batch, normaliser: torch.Tensor) -> StepOutput:

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 
 from algorithms import losses
-from algorithms.base import Batch, RolloutContext, StepOutput, pad_right
-from trainer.data import mask_spans
+from algorithms.base import Batch, RolloutContext, StepOutput, Traits, pad_right
+from tasks import mask_spans
 
 
 @dataclass
 class SFTConfig:
+    traits: ClassVar[Traits] = Traits()
     name: str = "sft"
     reference_fraction: float = 0.0  # share of rows whose prompt carries the reference solution
     masked_fraction: float = 0.5  # of those, share whose reference has steps masked

@@ -34,13 +34,14 @@ import torch
 from torch import nn
 
 from algorithms import losses
-from algorithms.base import Batch, RolloutContext, StepOutput, pad_right
-from algorithms.opsd import (
-    OPSDConfig, check_self_distill_config, completion_mask, detached_head, distill_terms, encode, export_model,
-    final_hidden, predicting, prepare_model, require_references, rollout_batch, sample, scatter_tokens,
-    student_features, teacher_hidden,
-)
-from trainer.data import score
+from algorithms.base import Batch, PolicyTerms, RolloutContext, StepOutput, TeacherTerms, pad_right
+from algorithms.rollouts import completion_mask, encode, require_references, rollout_batch, sample
+from algorithms.scoring import detached_head, predicting, scatter_tokens, student_features, teacher_hidden
+from algorithms.selfdistill import SelfDistillConfig, check_self_distill_config, distill_terms
+from models.anatomy import final_hidden
+from models.export import export_model
+from models.lora import train_all_or_lora
+from tasks import score
 
 STUDENT, TEACHER = 0, 1  # loss groups
 RELIABILITY_BINS = 5
@@ -48,12 +49,12 @@ REWARD_MODES = ("answer", "steps", "partial")
 
 
 @dataclass
-class TESDConfig(OPSDConfig):
+class TESDConfig(SelfDistillConfig):
     name: str = "tesd"
     teacher_rollouts: int = 4  # G per question, under the privileged prompt
     alpha: float = 0.5  # weight of the teacher-oriented term
     independence_weight: float = 0.5  # lambda
-    reward_mode: str = "steps"  # correctness: answer | steps | partial (trainer.data.score)
+    reward_mode: str = "steps"  # correctness: answer | steps | partial (tasks.score)
     copy_ngram: int = 32  # tokens; 0 disables the copy penalty
     copy_penalty: float = 0.5
     reference_phrases: list[str] = field(default_factory=lambda: ["the reference", "reference solution"])
@@ -113,14 +114,13 @@ class TESD:
 
     def __init__(self, cfg: TESDConfig):
         self.cfg = cfg
-        self.teacher_head: Optional[losses.Head] = None
 
     @property
     def rows_per_prompt(self) -> int:  # 1 student + G teacher rows per question (micro-batch count)
         return 1 + self.cfg.teacher_rollouts
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        return prepare_model(model, self.cfg)
+        return train_all_or_lora(model, self.cfg)
 
     def check_task(self, task: Any) -> None:
         require_references(task.train_examples(), self.name)
@@ -136,14 +136,13 @@ class TESD:
         trust = reliability(rewards.view(-1, g), c.independence_weight)  # (B,)
 
         student = rollout_batch(plain, student_outs, tok.pad_token_id, ctx.device, [ex.uid for ex in examples])
-        student.teacher_hidden = teacher_hidden(ctx.policy, [[p] for p in privileged],
-                                                [o.tokens for o in student_outs], [len(p) for p in plain],
-                                                student.input_ids.shape[1], c.teacher_batch_size, ctx.device)
-        self.teacher_head = detached_head(ctx.policy)
+        hidden = teacher_hidden(ctx.policy, [[p] for p in privileged], [o.tokens for o in student_outs],
+                                [len(p) for p in plain], student.input_ids.shape[1], c.teacher_batch_size, ctx.device)
+        student.teacher = TeacherTerms(hidden, detached_head(ctx.policy))
         student.token_weights = student.loss_mask.float() * trust.to(ctx.device).unsqueeze(1)
         teacher = rollout_batch(teacher_prompts, teacher_outs, tok.pad_token_id, ctx.device,
                                 [f"{ex.uid}/teacher{k}" for ex in examples for k in range(g)])
-        teacher.advantages = losses.group_advantages(rewards, g, eps=c.advantage_eps).to(ctx.device)
+        teacher.policy = PolicyTerms(losses.group_advantages(rewards, g, eps=c.advantage_eps).to(ctx.device))
         batch = join(student, teacher)
         batch.metrics = {**parts, **_histogram(trust), "tesd/reliability": trust.mean(),
                          "rollout/reward": torch.tensor(self._mean_reward(task, tok, examples, student_outs))}
@@ -179,12 +178,12 @@ class TESD:
         mask = micro.loss_mask.bool()
         is_teacher = (micro.row_group == TEACHER).unsqueeze(1)  # (B, 1)
         sel_s, sel_t = mask & ~is_teacher, mask & is_teacher
-        div, weights, logp_s = distill_terms(feats, head, micro, sel_s, c, self.teacher_head)
+        div, weights, logp_s = distill_terms(feats, head, micro, sel_s, c)
         student_term = losses.weighted_token_loss(div, weights, normaliser[STUDENT])
-        chunk = c.loss_chunk_tokens or losses.auto_chunk(self.teacher_head[0].shape[0], 0)
+        chunk = c.loss_chunk_tokens or losses.auto_chunk(micro.teacher.head[0].shape[0], 0)
         logp_t = losses.chunked_token_logprobs(feats[sel_t], head, micro.input_ids[sel_t], c.temperature,
                                                chunk)  # (N_t,)
-        adv = micro.advantages.unsqueeze(1).expand_as(sel_t)[sel_t]  # (N_t,)
+        adv = micro.policy.advantages.unsqueeze(1).expand_as(sel_t)[sel_t]  # (N_t,)
         pg = losses.clipped_policy_gradient(logp_t, logp_t.detach(), adv, c.clip_eps, c.clip_eps)
         teacher_term = pg.sum() / normaliser[TEACHER]
         n_s, n_t = max(int(div.numel()), 1), max(int(pg.numel()), 1)
@@ -215,14 +214,15 @@ def join(student: Batch, teacher: Batch) -> Batch:
         return torch.nn.functional.pad(t, pad, value=fill)
 
     s, t = student, teacher
-    hidden = torch.cat([widen(s.teacher_hidden, len(s), s.teacher_hidden),
-                        widen(None, len(t), s.teacher_hidden)])
+    hidden = torch.cat([widen(s.teacher.hidden, len(s), s.teacher.hidden),
+                        widen(None, len(t), s.teacher.hidden)])
+    advantages = t.policy.advantages
     cat = lambda a, b, fill=0: torch.cat([widen(a, len(s), a, fill), widen(b, len(t), b, fill)])  # noqa: E731
     return Batch(
         input_ids=cat(s.input_ids, t.input_ids), attention_mask=cat(s.attention_mask, t.attention_mask),
         loss_mask=cat(s.loss_mask, t.loss_mask), rollout_logprobs=cat(s.rollout_logprobs, t.rollout_logprobs),
-        advantages=torch.cat([torch.zeros(len(s), device=t.advantages.device), t.advantages]),
-        token_weights=cat(s.token_weights, t.loss_mask.float()), teacher_hidden=hidden,
+        token_weights=cat(s.token_weights, t.loss_mask.float()), teacher=TeacherTerms(hidden, s.teacher.head),
+        policy=PolicyTerms(torch.cat([torch.zeros(len(s), device=advantages.device), advantages])),
         row_group=torch.tensor([STUDENT] * len(s) + [TEACHER] * len(t), device=s.input_ids.device), num_groups=2,
         uids=s.uids + t.uids)
 

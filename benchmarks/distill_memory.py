@@ -2,7 +2,7 @@
 
 A Qwen3-architecture model with a 151,936-token vocabulary (tiny hidden size, so it runs on CPU)
 scores one completion of `--tokens` tokens against K teacher views, forward and backward:
-  chunked: the MASS/OPSD loss as trained (algorithms/opsd.distill_loss): final hidden states only,
+  chunked: the MASS/OPSD loss as trained (algorithms/selfdistill.distill_loss): final hidden states only,
            student and teacher logits built `--chunk` tokens at a time (0: auto, 88 here), the
            student chunk recomputed in backward;
   full:    [T, V] student logits and [K, T, V] teacher logits materialised, then the same divergence.
@@ -37,9 +37,9 @@ def run_mode(mode: str, tokens: int, views: int, chunk: int, hidden: int) -> dic
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from algorithms import losses
-    from algorithms.base import Batch
+    from algorithms.base import Batch, TeacherTerms
     from algorithms.mass import MASSConfig
-    from algorithms.opsd import distill_loss
+    from algorithms.selfdistill import distill_loss
 
     torch.manual_seed(0)
     torch.set_num_threads(2)
@@ -57,8 +57,8 @@ def run_mode(mode: str, tokens: int, views: int, chunk: int, hidden: int) -> dic
     baseline = peak_mb()
     started = time.perf_counter()
     if mode == "chunked":
-        batch = Batch(ids, mask, loss_mask, teacher_hidden=teacher_hidden)
-        loss = distill_loss(model, batch, torch.tensor(float(tokens - 1)), cfg, teacher_head).loss
+        batch = Batch(ids, mask, loss_mask, teacher=TeacherTerms(teacher_hidden, teacher_head))
+        loss = distill_loss(model, batch, torch.tensor(float(tokens - 1)), cfg).loss
     else:
         logits = model(input_ids=ids, attention_mask=mask).logits[0, :-1]  # (T-1, V)
         student = torch.log_softmax(logits.float() / cfg.temperature, -1)

@@ -64,11 +64,13 @@ def _trl_steps(cfg, steps: int, prompts: int, group: int, max_new_tokens: int, l
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from trainer.data import score
+    from tasks import score
     from trainer.distributed import World
     from trainer.setup import build_task_from, load_model
+    from trainer.warm_start import ensure
 
-    model, tok = load_model(cfg.model, World(), cfg.seed)
+    ensure(cfg.model, World())
+    model, tok = load_model(cfg.model, World())
     task = build_task_from(cfg.data)
     examples = task.train_examples()
     data = Dataset.from_list([{"prompt": task.prompt(ex), "idx": i} for i, ex in enumerate(examples[:4096])])

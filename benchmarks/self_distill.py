@@ -118,16 +118,15 @@ def main() -> None:
     methods, settings = args.methods.split(","), args.settings.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
     base = args.keep or tempfile.mkdtemp(prefix="self_distill_")
-    # One warm-started model for every run and seed (the default model is built per seed), built once.
+    # One warm-started model for every run and seed (model.seed stays 0), built once.
     sys.path.insert(0, ROOT)
     from algorithms import config_schemas
     from trainer.config import load_config
     from trainer.distributed import World
-    from trainer.warm_start import cache_path, tiny_model
+    from trainer.warm_start import ensure
 
     model_cfg = load_config(["+algo=sft", "model=tiny"], config_schemas()).model
-    tiny_model(model_cfg, World(), 0)
-    args.model_path = cache_path(model_cfg, 0)
+    args.model_path = ensure(model_cfg, World())
     jobs = [(m, s, seed, args, base) for s in settings for seed in seeds for m in methods]
     started = time.perf_counter()
     with ThreadPoolExecutor(args.workers) as pool:

@@ -34,3 +34,16 @@ def test_malformed_row_names_file_and_row(tmp_path, subprocess_env):
     assert proc.returncode == 3
     assert str(data) in proc.stderr and "row 2" in proc.stderr, proc.stderr
     assert not out.exists()
+
+
+def test_non_utf8_data_file_is_a_one_line_data_error(tmp_path, subprocess_env):
+    data = tmp_path / "train.jsonl"
+    data.write_bytes('{"question": "caf\xe9 1+1?", "solution": "1+1=2\\n#### 2"}\n'.encode("latin-1"))
+    out = tmp_path / "run"
+    args = tiny_overrides(out, "data=text", f"data.path={data}", "data.test_fraction=0.5")
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], env=subprocess_env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [f"data error: {data}: not UTF-8 text (byte 0xe9 at offset 17); "
+                                                "save the file as UTF-8"]
+    assert "Traceback" not in proc.stderr and not out.exists()

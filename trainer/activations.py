@@ -289,7 +289,7 @@ def _covers_storage(t: Tensor) -> bool:
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The transformer blocks of a HF causal LM (unwrapping DDP/DeepSpeed `.module` and PEFT)."""
-    from algorithms.opsd import causal_lm
+    from models.anatomy import causal_lm
 
     m = causal_lm(model)
     decoder = m.get_decoder() if hasattr(m, "get_decoder") else getattr(m, "model", m)

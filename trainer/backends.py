@@ -16,14 +16,36 @@ import contextlib
 import copy
 import math
 import os
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator, Protocol
 
 import torch
 from torch import nn
 
+from models.anatomy import decoder_layers
 from trainer.distributed import World
 
 OPTIM_FILE, MODEL_FILE, SCHED_FILE = "optimizer.pt", "model.pt", "scheduler.pt"
+
+
+class Backend(Protocol):
+    """The interface the loop and checkpoints use (see the module docstring)."""
+
+    train_model: nn.Module
+
+    @property
+    def lr(self) -> float: ...
+
+    def accumulate(self, last: bool) -> ContextManager[None]: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def step(self, max_grad_norm: float) -> float: ...
+
+    def full_model(self) -> nn.Module: ...
+
+    def save(self, directory: str) -> None: ...
+
+    def load(self, directory: str) -> None: ...
 
 
 def lr_lambda(warmup_steps: int, max_steps: int, min_ratio: float):
@@ -178,11 +200,7 @@ def _fsdp_sync(model: nn.Module, last: bool) -> Iterator[None]:
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks of an HF causal LM (model.model.layers for Llama/Qwen)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ValueError(f"backend=fsdp: cannot find decoder layers (model.model.layers) in {type(model).__name__}")
-    return list(layers)
+    return list(decoder_layers(model, user="backend=fsdp"))
 
 
 class DeepSpeedBackend:

@@ -29,6 +29,7 @@ class ModelConfig:
     dtype: str = "float32"  # weights dtype: float32 | bfloat16 | float16
     trust_remote_code: bool = False
     cache_dir: str = DEFAULT_CACHE  # where the warm-started tiny model is built and cached
+    seed: int = 0  # the embedded tiny model's init and warm start (its own key: the run's `seed` does not rebuild it)
     # Embedded tiny model (Qwen3 architecture, character tokenizer).
     hidden_size: int = 128
     num_layers: int = 4
@@ -39,6 +40,7 @@ class ModelConfig:
     warm_start_lr: float = 3e-3
     warm_start_batch_size: int = 64
     warm_start_reference_fraction: float = 0.5  # share of warm-up prompts carrying a (masked) reference
+    warm_start_min_accuracy: float = 0.25  # a build below this held-out accuracy is not published
 
 
 @dataclass
@@ -237,10 +239,11 @@ def validate(cfg: TrainConfig) -> None:
     if t.activation_memory_budget < 1.0 or t.activation_risk_budget < 0:
         raise ConfigError(f"trainer.activation_memory_budget={t.activation_memory_budget} must be >= 1.0 and "
                           f"trainer.activation_risk_budget={t.activation_risk_budget} >= 0")
-    if t.prompt_sharing and not getattr(cfg.algo, "supports_prompt_sharing", False):
+    traits = cfg.algo.traits  # declared by every algorithm config (algorithms.base.Traits)
+    if t.prompt_sharing and not traits.prompt_sharing:
         raise ConfigError(f"trainer.prompt_sharing=true: algo {cfg.algo.name} does not sample groups of responses "
                           "per prompt (use it with +algo=grpo)")
-    if cfg.backend.name == "fsdp" and not getattr(cfg.algo, "supports_fsdp", True):
+    if cfg.backend.name == "fsdp" and not traits.fsdp:
         raise ConfigError(f"backend=fsdp: algo {cfg.algo.name} does not run under FSDP2 yet (use backend=ddp or "
                           "backend=deepspeed)")
     if cfg.backend.name == "deepspeed" and cfg.backend.zero_stage not in (1, 2, 3):
@@ -253,7 +256,7 @@ def validate(cfg: TrainConfig) -> None:
             cfg.algo.validate()
         except ValueError as err:
             raise ConfigError(str(err)) from None
-    if getattr(cfg.algo, "needs_reference", False) and cfg.data.name == "text" and not cfg.data.solution_field:
+    if traits.needs_reference and cfg.data.name == "text" and not cfg.data.solution_field:
         raise ConfigError(f"algo {cfg.algo.name} distils from reference solutions, but data.solution_field is "
                           "empty: set it to the field holding worked solutions")
     if cfg.model.name == "hf" and cfg.model.path is None:

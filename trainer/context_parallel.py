@@ -44,7 +44,7 @@ from torch import Tensor
 from transformers import AttentionInterface
 
 from algorithms import losses
-from algorithms.opsd import output_head, unwrap
+from models.anatomy import output_head, unwrap
 from trainer.prompt_sharing import _chunk, _features
 
 ATTN_NAME = "augtree_cp"

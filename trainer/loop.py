@@ -11,16 +11,26 @@ from __future__ import annotations
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from algorithms.base import Batch, RolloutContext
+from algorithms.base import Algorithm, Batch, Capabilities, RolloutContext
 from algorithms.losses import logprob_gap
 from models.anatomy import no_kv_cache
 from trainer import checkpoint
 from trainer.distributed import World
 from trainer.evaluation import evaluate
+from trainer.stream import PromptStream
+from trainer.tracking import Tracker
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from tasks import Task
+    from trainer.activations import ActivationManager
+    from trainer.backends import Backend
+    from trainer.config import TrainConfig
 
 
 DRAFTER_EVAL_EXAMPLES = 32  # held-out prompts for the speculative-decoding acceptance metric
@@ -34,17 +44,18 @@ class NonFiniteLossError(RuntimeError):
 class Session:
     """Everything one run needs, built once by setup.build_session."""
 
-    cfg: Any  # TrainConfig
+    cfg: TrainConfig
     world: World
-    tokenizer: Any
-    task: Any
-    algo: Any
-    backend: Any
-    stream: Any  # PromptStream
-    tracker: Any
+    tokenizer: PreTrainedTokenizerBase
+    task: Task
+    algo: Algorithm
+    caps: Capabilities  # what else the loop may ask of `algo`, resolved at setup
+    backend: Backend
+    stream: PromptStream
+    tracker: Tracker
     generator: torch.Generator  # rollout sampling; checkpointed
     step: int = 0
-    activations: Any = None  # trainer.activations.ActivationManager, or None
+    activations: Optional["ActivationManager"] = None  # trainer.activations (None for `none`)
     evals: list = field(default_factory=list)  # eval records of this process's run, in order
 
 
@@ -115,8 +126,7 @@ def train_step(s: Session, batch: Batch) -> dict:
     loss_sum, metric_sums, gaps = torch.zeros(()), {}, []
     for i, micro in enumerate(micros):
         if s.activations is not None:  # the policy-update exposure of these tokens, known before backward
-            exposure = getattr(s.algo, "exposure", None)
-            s.activations.set_exposure(exposure(micro) if exposure is not None else None)
+            s.activations.set_exposure(s.caps.exposure(micro) if s.caps.exposure is not None else None)
         # no KV cache in training forwards: activation recompute would append the same keys twice
         with backend.accumulate(last=i == len(micros) - 1), _autocast(world.device), \
                 no_kv_cache(backend.train_model):
@@ -173,11 +183,11 @@ def run_eval(s: Session) -> dict:
     examples = list(s.task.test_examples())[: t.eval_examples]
     model = s.backend.full_model()
     result = evaluate(model, s.tokenizer, s.task, examples, s.world, t.eval_max_new_tokens)
-    if getattr(s.cfg.algo, "needs_reference", False):
+    if s.cfg.algo.traits.needs_reference:
         teacher = evaluate(model, s.tokenizer, s.task, examples, s.world, t.eval_max_new_tokens,
                            prompt=lambda ex: s.task.teacher_prompt(ex, ex.solution))
         result["teacher_accuracy"] = teacher["accuracy"]
-    drafter = getattr(s.algo, "evaluate_drafter", None)
+    drafter = s.caps.evaluate_drafter
     if drafter is not None and s.world.is_main:  # e.g. SEED: mean tokens per verify forward, greedy
         result.update(drafter(model, s.tokenizer, s.task, examples[:DRAFTER_EVAL_EXAMPLES], t.eval_max_new_tokens))
     record = {"step": s.step, "split": "eval", **result}

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from algorithms import losses
-from algorithms.opsd import _decoder, output_head, unwrap
+from models.anatomy import decoder as _decoder, output_head, unwrap
 
 MASKED_IMPLS = ("sdpa", "eager")  # attention implementations that take a custom 4-D mask as given
 

@@ -1,5 +1,10 @@
-"""Build a training Session from a validated TrainConfig: world -> task -> model -> algorithm ->
-backend -> data stream -> tracker -> (resume). Each piece is one small function."""
+"""Build a training Session from a validated TrainConfig: world -> task -> model -> algorithm (its
+contract checked once) -> the actor-update options -> data stream -> tracker -> (resume).
+
+The actor-update options are applied by `apply_actor_update` in one visible order:
+algorithm surgery (LoRA, ...) -> activation management -> prompt sharing -> the distributed backend.
+The warm-started default model is not built here: the warm-start stage (trainer/warm_start.py)
+runs before, and `load_model` only reads its cache entry."""
 from __future__ import annotations
 
 import os
@@ -11,13 +16,16 @@ import torch
 import yaml
 
 from algorithms import build_algorithm
-from models.loading import load_pretrained
-from trainer import checkpoint
+from algorithms.base import Algorithm, Capabilities, capabilities
+from models.loading import build_tiny, load_pretrained
+from trainer import checkpoint, default_model
 from trainer.backends import build_backend
 from trainer.config import DataConfig, ModelConfig, TrainConfig, to_dict
-from trainer.data import PromptStream, build_task
+from tasks import build_task
+from trainer.stream import PromptStream
 from trainer.distributed import World
 from trainer.loop import Session, resume
+from trainer.prompt_sharing import shared_prompt_logprobs
 from trainer.tracking import Tracker
 
 ROLLOUT_SEED_OFFSET = 1_000_003  # rollout sampling stream, distinct per rank
@@ -42,13 +50,22 @@ def build_task_from(data: DataConfig):
                       max_examples=data.max_examples, **templates)
 
 
-def load_model(m: ModelConfig, world: World, seed: int):
-    """The configured model + tokenizer: a path, or the embedded tiny model (warm-started and cached)."""
+def load_model(m: ModelConfig, world: World):
+    """The configured model + tokenizer: a path, the tiny model at random init (`warm_start_steps=0`),
+    or the warm-started tiny model from its cache entry, which the warm-start stage
+    (trainer/warm_start.py, run by train.py before the session) has built."""
     if m.path is not None:
         return load_pretrained(os.path.expanduser(m.path), m.dtype, m.trust_remote_code)
-    from trainer.warm_start import tiny_model
-
-    return tiny_model(m, world, seed)
+    if m.warm_start_steps == 0:
+        return build_tiny(default_model.spec(m), m.seed)
+    path = default_model.cache_path(m)
+    problem = default_model.entry_problem(m, path)
+    if problem is not None:
+        raise RuntimeError(f"the warm-started default model in {path} is not ready ({problem}): run the warm-start "
+                           "stage first (trainer.warm_start.ensure(cfg.model, world); train.py does)")
+    if world.is_main:
+        print(f"model: warm-started tiny from {path}", flush=True)
+    return load_pretrained(path)
 
 
 def build_session(cfg: TrainConfig, world: World, model=None, tokenizer=None, task=None) -> Session:
@@ -56,18 +73,13 @@ def build_session(cfg: TrainConfig, world: World, model=None, tokenizer=None, ta
     seed_everything(cfg.seed)
     task = task if task is not None else build_task_from(cfg.data)
     if model is None:
-        model, tokenizer = load_model(cfg.model, world, cfg.seed)
+        model, tokenizer = load_model(cfg.model, world)
     algo = build_algorithm(cfg.algo)
-    if hasattr(algo, "check_task"):  # e.g. self-distillation needs reference solutions: fail before any work
-        algo.check_task(task)
-    model = algo.prepare_model(model).to(world.device)
+    caps = capabilities(algo)  # the contract, checked once; the loop never probes the algorithm
+    if caps.check_task is not None:  # e.g. self-distillation needs reference solutions: fail before any work
+        caps.check_task(task)
     t = cfg.trainer
-    if t.prompt_sharing:
-        algo.prompt_sharing = True
-    activations = install_activations(model, t)
-    per_rank = _per_rank_batch(t.batch_size, world.size)
-    micro_steps = -(-per_rank * getattr(algo, "rows_per_prompt", 1) // t.micro_batch_size)
-    backend = build_backend(cfg.backend.name, model, t, world, cfg.backend.zero_stage, micro_steps)
+    backend, activations = apply_actor_update(cfg, world, algo, caps, model)
     stream = PromptStream(task.train_examples(), t.batch_size, cfg.seed, world.rank, world.size)
     resume_from = _resume_path(cfg)
     if world.is_main:
@@ -78,7 +90,8 @@ def build_session(cfg: TrainConfig, world: World, model=None, tokenizer=None, ta
                       project=cfg.logging.project, run_name=cfg.logging.run_name, config=to_dict(cfg),
                       progress=cfg.logging.progress)
     generator = torch.Generator().manual_seed(cfg.seed + ROLLOUT_SEED_OFFSET * (world.rank + 1))
-    session = Session(cfg, world, tokenizer, task, algo, backend, stream, tracker, generator, activations=activations)
+    session = Session(cfg, world, tokenizer, task, algo, caps, backend, stream, tracker, generator,
+                      activations=activations)
     if resume_from is not None:
         resume(session, resume_from)
         if world.is_main:
@@ -86,6 +99,23 @@ def build_session(cfg: TrainConfig, world: World, model=None, tokenizer=None, ta
         if tracker.bar is not None:
             tracker.bar.n = session.step
     return session
+
+
+def apply_actor_update(cfg: TrainConfig, world: World, algo: Algorithm, caps: Capabilities, model):
+    """The model the optimizer updates, with every actor-update option applied in this order:
+    1. the algorithm's surgery (LoRA adapters, ...) and what trains;
+    2. activation management (trainer.activations: checkpoint / HiLoRe) on the decoder layers;
+    3. prompt sharing (trainer.prompt_sharing): the loss's log-probs from one forward per prompt group;
+    4. the distributed backend (DDP / FSDP2 / DeepSpeed), which wraps the result.
+    Returns (backend, activation manager or None)."""
+    t = cfg.trainer
+    model = algo.prepare_model(model).to(world.device)
+    activations = install_activations(model, t)
+    if t.prompt_sharing:
+        assert caps.share_prompts is not None, "config validation admits prompt sharing only for such algorithms"
+        caps.share_prompts(shared_prompt_logprobs)
+    micro_steps = -(-_per_rank_batch(t.batch_size, world.size) * caps.rows_per_prompt // t.micro_batch_size)
+    return build_backend(cfg.backend.name, model, t, world, cfg.backend.zero_stage, micro_steps), activations
 
 
 def install_activations(model, t):

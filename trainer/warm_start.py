@@ -1,107 +1,150 @@
-"""The embedded default model: tiny Qwen3 + character tokenizer, warm-started by our own SFT on
-`data=arith`, built on first use and cached under `model.cache_dir/tiny-<recipe hash>/`.
+"""The warm-start stage: build the embedded default model's cache entry, once, before a session is
+built. `train.py` and `evaluate.py` run it first; `setup.load_model` only ever reads the entry.
 
-The recipe (architecture, data, steps, lr, seed, RECIPE_VERSION) is hashed into the directory
-name, so changing any of it builds a new model; the same recipe on the same machine gives the same
-weights. Part of the warm-up prompts carry the reference solution (full, or with steps masked), so
-the warm model can read a privileged reference -- without that, the self-teacher of the
+The default model is the tiny Qwen3 + character tokenizer warm-started by our own SFT on
+`data=arith`. Part of the warm-up prompts carry the reference solution (full, or with steps
+masked), so the warm model can read a privileged reference -- without that, the self-teacher of the
 distillation algorithms would be no better than the student.
+
+Publishing rules (an entry is reused by every later run, so a bad one would poison them all):
+- the build trains in a private temporary directory and is published by one atomic rename, only
+  after `fit` ran every step of the recipe and the held-out accuracy reached the recipe's floor
+  (`model.warm_start_min_accuracy`); both are recorded in the entry's `warm_start.json`;
+- a stop signal (SIGTERM, Ctrl-C) during the build publishes nothing;
+- an existing entry whose record says it is incomplete is refused and rebuilt;
+- a file lock per entry makes a second process that starts at once on a cold cache (two users, a
+  benchmark's parallel workers) wait for the first instead of building the same model again.
+
+    path = ensure(cfg.model, world)     # all ranks; rank 0 builds when needed, the others wait
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
+import contextlib
+import fcntl
 import json
 import os
 import shutil
 import time
+from typing import Iterator, Optional
 
 import torch
 
-from models.loading import TinySpec, build_tiny, load_pretrained
+from trainer.default_model import DONE, METRICS, WARM_DATA, cache_path, entry_problem, recipe, spec
 from trainer.distributed import World
 
-RECIPE_VERSION = 2
-DONE = "warm_start.json"
-# Same seed as the default data=arith, so the warm-up trains on its train split only and never sees
-# its held-out questions.
-WARM_DATA = {"seed": 0, "n_train": 20000, "n_test": 200, "digits": 2, "steps": 2, "ops": ["+", "-"]}
 WARM_EVAL_EXAMPLES = 100
 WARM_MICRO_BATCH = 32  # two length-grouped micro-batches: student rows and (longer) reference rows
 
 
-def recipe(m, seed: int) -> dict:
-    return {
-        "version": RECIPE_VERSION,
-        "spec": dataclasses.asdict(TinySpec(m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size)),
-        "seed": seed,
-        "steps": m.warm_start_steps,
-        "lr": m.warm_start_lr,
-        "batch_size": m.warm_start_batch_size,
-        "reference_fraction": m.warm_start_reference_fraction,
-        "data": WARM_DATA,
-    }
+class WarmStartError(RuntimeError):
+    """The default model could not be built (interrupted, or below its accuracy floor); nothing was
+    published."""
 
 
-def cache_path(m, seed: int) -> str:
-    key = hashlib.sha256(json.dumps(recipe(m, seed), sort_keys=True).encode()).hexdigest()[:12]
-    return os.path.join(os.path.expanduser(m.cache_dir), f"tiny-{key}")
-
-
-def tiny_model(m, world: World, seed: int):
-    """Model + tokenizer for model=tiny. Rank 0 builds the cache entry if missing; others wait."""
-    spec = TinySpec(m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size)
-    if m.warm_start_steps == 0:
-        return build_tiny(spec, seed)
-    path = cache_path(m, seed)
-    if world.is_main and not os.path.exists(os.path.join(path, DONE)):
-        print(f"building the warm-started tiny model (once) in {path}", flush=True)
-        build(m, seed, path)
-    world.barrier()
+def ensure(m, world: World) -> Optional[str]:
+    """The default model's complete cache entry (built here if needed), or None when `m` needs no
+    warm start (a model path, or `warm_start_steps=0`). Every rank calls this."""
+    if m.path is not None or m.warm_start_steps == 0:
+        return None
+    path = cache_path(m)
+    error: Optional[BaseException] = None
     if world.is_main:
-        print(f"model: warm-started tiny from {path}", flush=True)
-    return load_pretrained(path)
+        try:
+            _build_if_needed(m, path)
+        except (WarmStartError, KeyboardInterrupt) as err:
+            error = err
+    # One collective instead of a barrier, so the other ranks learn that rank 0 failed.
+    if world.all_reduce_max(torch.tensor(int(error is not None))).item():
+        if isinstance(error, KeyboardInterrupt):
+            raise WarmStartError("interrupted while building the default model; nothing was published "
+                                 "(rerun to build it)") from None
+        raise error if error is not None else WarmStartError("rank 0 could not build the default model")
+    return path
 
 
-def build(m, seed: int, path: str) -> None:
-    """SFT the random tiny model on arith in this process (all cores), then publish atomically."""
-    from algorithms.sft import SFTConfig
+def _build_if_needed(m, path: str) -> None:
+    with entry_lock(path):
+        problem = entry_problem(m, path)
+        if problem is None:
+            return
+        if problem != "missing":
+            print(f"warning: refusing the cache entry {path} ({problem}); rebuilding it", flush=True)
+            _discard(path)
+        print(f"building the warm-started tiny model (once) in {path}", flush=True)
+        build(m, path)
+
+
+@contextlib.contextmanager
+def entry_lock(path: str) -> Iterator[None]:
+    """An exclusive lock on `path`'s entry, held while it is checked and built. A process that finds it
+    held says so and waits (the holder is building the same recipe)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    lock_path = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock")
+    with open(lock_path, "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process building {path}", flush=True)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _discard(path: str) -> None:
+    """Move a refused entry out of the way first (one rename), so no reader sees half of it."""
+    trash = f"{path}.refused-{os.getpid()}"
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def build(m, path: str) -> None:
+    """SFT the random tiny model on arith in this process (all cores); publish it atomically only when
+    it ran to completion and reached its accuracy floor. Raises WarmStartError otherwise."""
+    from algorithms import config_schemas
+    from models.loading import build_tiny
     from trainer.config import BackendConfig, DataConfig, LoggingConfig, TrainConfig, TrainerConfig
     from trainer.loop import fit
     from trainer.setup import build_session, build_task_from, export_final
 
-    r = recipe(m, seed)
+    r = recipe(m)
     tmp = f"{path}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     cfg = TrainConfig(
-        output_dir=tmp, seed=seed, model=m, data=DataConfig(name="arith", **{**WARM_DATA, "ops": list(WARM_DATA["ops"])}),
+        output_dir=tmp, seed=m.seed, model=m,
+        data=DataConfig(name="arith", **{**WARM_DATA, "ops": list(WARM_DATA["ops"])}),
         backend=BackendConfig(name="single"), logging=LoggingConfig(wandb=False),
         trainer=TrainerConfig(max_steps=r["steps"], batch_size=r["batch_size"], micro_batch_size=WARM_MICRO_BATCH,
                               lr=r["lr"], warmup_steps=max(1, r["steps"] // 20), min_lr_ratio=0.05,
-                              eval_every=max(1, r["steps"] // 3), eval_examples=WARM_EVAL_EXAMPLES, save_every=10**9, resume="never"),
-        algo=SFTConfig(reference_fraction=r["reference_fraction"], seed=seed),
+                              eval_every=max(1, r["steps"] // 3), eval_examples=WARM_EVAL_EXAMPLES,
+                              save_every=10**9, resume="never"),
+        algo=config_schemas()["sft"](reference_fraction=r["reference_fraction"], seed=m.seed),
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)  # torchrun sets 1 thread per worker; this runs alone
     started = time.perf_counter()
     try:
-        model, tokenizer = build_tiny(TinySpec(**r["spec"]), seed)
+        model, tokenizer = build_tiny(spec(m), m.seed)
         session = build_session(cfg, World(), model=model, tokenizer=tokenizer, task=build_task_from(cfg.data))
-        fit(session)
+        status = fit(session)
         session.tracker.close()
-        export_final(session)
-        shutil.copy(os.path.join(tmp, "metrics.jsonl"), os.path.join(tmp, "final", "warm_start_metrics.jsonl"))
-        accuracy = [json.loads(l) for l in open(os.path.join(tmp, "metrics.jsonl")) if '"eval"' in l][-1]["accuracy"]
-        with open(os.path.join(tmp, "final", DONE), "w") as fh:
-            json.dump({"recipe": r, "seconds": time.perf_counter() - started, "accuracy": accuracy}, fh, indent=1)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        try:
-            os.replace(os.path.join(tmp, "final"), path)  # atomic publish
-        except OSError:
-            if not os.path.exists(os.path.join(path, DONE)):
-                raise
-            # Another job published the same recipe first; same recipe + seed gives the same weights.
-        print(f"warm start done in {time.perf_counter() - started:.0f}s, held-out accuracy {accuracy:.2f}", flush=True)
+        if status != "done":
+            raise WarmStartError(f"the warm start was stopped at step {session.step} of {r['steps']}; nothing was "
+                                 f"published in {path} (rerun to build it)")
+        accuracy = session.evals[-1]["accuracy"]
+        if accuracy < m.warm_start_min_accuracy:
+            raise WarmStartError(f"the warm start reached held-out accuracy {accuracy:.3f}, below "
+                                 f"model.warm_start_min_accuracy={m.warm_start_min_accuracy}; nothing was published")
+        final = export_final(session)
+        shutil.copy(os.path.join(tmp, "metrics.jsonl"), os.path.join(final, METRICS))
+        record = {"recipe": r, "steps_done": session.step, "accuracy": accuracy,
+                  "accuracy_floor": m.warm_start_min_accuracy, "seconds": time.perf_counter() - started}
+        with open(os.path.join(final, DONE), "w") as fh:
+            json.dump(record, fh, indent=1)
+        os.replace(final, path)  # atomic publish; the entry lock keeps other builders out
+        print(f"warm start done in {record['seconds']:.0f}s, held-out accuracy {accuracy:.2f}", flush=True)
     finally:
         torch.set_num_threads(threads)
         shutil.rmtree(tmp, ignore_errors=True)
+

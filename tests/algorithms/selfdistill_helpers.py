@@ -5,7 +5,7 @@ import torch
 
 from algorithms.base import RolloutContext
 from models.loading import TinySpec, build_tiny
-from trainer.data import build_task
+from tasks import build_task
 
 SPEC = TinySpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
 

@@ -1,20 +1,21 @@
 """Batch plumbing shared by every algorithm."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from algorithms.base import Batch, pad_right
+from algorithms.base import Batch, PolicyTerms, TeacherTerms, pad_right
 
 
 def test_micro_batches_group_by_length_cover_every_row_once_and_trim():
     rows = [[1] * 5, [2] * 2, [3] * 4, [4] * 1]
     ids, attn = pad_right(rows, pad_id=0, device=torch.device("cpu"))
-    batch = Batch(ids, attn, attn.clone(), advantages=torch.tensor([0.5, 0.2, 0.4, 0.1]), uids=["a", "b", "c", "d"])
+    batch = Batch(ids, attn, attn.clone(), policy=PolicyTerms(torch.tensor([0.5, 0.2, 0.4, 0.1])), uids=["a", "b", "c", "d"])
     micros = batch.micro_batches(2)
     assert [m.uids for m in micros] == [["d", "b"], ["c", "a"]]
     assert [tuple(m.input_ids.shape) for m in micros] == [(2, 2), (2, 5)]
     assert micros[0].input_ids.tolist() == [[4, 0], [2, 2]]
-    assert torch.equal(micros[1].advantages, torch.tensor([0.4, 0.5]))
+    assert torch.equal(micros[1].policy.advantages, torch.tensor([0.4, 0.5]))
     assert sum(int(m.num_targets()) for m in micros) == int(batch.num_targets())
 
 
@@ -23,12 +24,55 @@ def test_micro_batches_trim_token_axis_of_every_tensor_and_keep_groups():
     ids = torch.tensor([[1, 2, 3, 4], [5, 6, 0, 0], [7, 8, 9, 0]])
     attn = (ids != 0).long()
     hidden = torch.arange(3 * 4 * 2 * 5, dtype=torch.float32).view(3, 4, 2, 5)  # (B, T, K, H)
-    batch = Batch(ids, attn, attn.clone(), teacher_hidden=hidden, row_group=torch.tensor([0, 1, 1]), num_groups=2,
+    batch = Batch(ids, attn, attn.clone(), teacher=TeacherTerms(hidden, (torch.eye(5), None)), row_group=torch.tensor([0, 1, 1]), num_groups=2,
                   uids=["a", "b", "c"])
     assert batch.num_targets().tolist() == [4, 5]
     micros = batch.micro_batches(2)
     assert [m.uids for m in micros] == [["b", "c"], ["a"]]  # grouped by length
     first = micros[0]
-    assert first.input_ids.shape == (2, 3) and first.teacher_hidden.shape == (2, 3, 2, 5)
-    assert torch.equal(first.teacher_hidden[1], hidden[2, :3]) and first.row_group.tolist() == [1, 1]
+    assert first.input_ids.shape == (2, 3) and first.teacher.hidden.shape == (2, 3, 2, 5)
+    assert torch.equal(first.teacher.hidden[1], hidden[2, :3]) and first.row_group.tolist() == [1, 1]
     assert sum(m.num_targets() for m in micros).tolist() == [4, 5]
+
+
+def test_capabilities_are_resolved_from_the_typed_protocols():
+    from algorithms import REGISTRY, build_algorithm
+    from algorithms.base import capabilities
+
+    caps = {name: capabilities(build_algorithm(cfg())) for name, (cfg, _) in REGISTRY.items()}
+    assert {n for n, c in caps.items() if c.share_prompts is not None} == {"grpo"}
+    assert {n for n, c in caps.items() if c.exposure is not None} == {"grpo"}
+    assert {n for n, c in caps.items() if c.evaluate_drafter is not None} == {"seed"}
+    assert {n for n, c in caps.items() if c.check_task is not None} == {"opsd", "mass", "tesd"}
+    assert caps["grpo"].rows_per_prompt == 8 and caps["tesd"].rows_per_prompt == 5 and caps["sft"].rows_per_prompt == 1
+    assert caps["seed"].summary_metrics == {"seed/mean_accepted": "mean accepted length (greedy, tokens per verify forward)"}
+    assert {n for n, (cfg, _) in REGISTRY.items() if cfg.traits.needs_reference} == {"opsd", "mass", "tesd"}
+    assert {n for n, (cfg, _) in REGISTRY.items() if cfg.traits.prompt_sharing} == {"grpo"}
+    assert {n for n, (cfg, _) in REGISTRY.items() if not cfg.traits.fsdp} == {"seed"}
+
+
+def test_an_object_missing_part_of_the_contract_is_refused_by_name():
+    from algorithms.base import capabilities
+
+    class Half:
+        name = "half"
+
+        def make_batch(self, examples, ctx): ...
+
+        def loss(self, model, micro, normaliser): ...
+
+    with pytest.raises(TypeError, match="Half does not implement the Algorithm contract: missing prepare_model, export, "
+                                        "state_dict, load_state_dict"):
+        capabilities(Half())
+
+
+def test_grouped_terms_are_split_by_row_and_the_teacher_head_is_shared():
+    ids = torch.tensor([[1, 2, 0], [3, 4, 5], [6, 0, 0]])
+    attn = (ids > 0).long()
+    head = (torch.randn(7, 4), None)
+    batch = Batch(ids, attn, attn.clone(), teacher=TeacherTerms(torch.randn(3, 3, 1, 4), head),
+                  policy=PolicyTerms(torch.tensor([1.0, 2.0, 3.0]), prompt_lengths=torch.tensor([1, 2, 1])))
+    for micro in batch.micro_batches(2):
+        assert micro.teacher.head is head  # one head for every row, never sliced
+        assert micro.policy.advantages.shape == (len(micro),) == micro.policy.prompt_lengths.shape
+        assert micro.teacher.hidden.shape[:2] == micro.input_ids.shape

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from algorithms.base import Batch
+from algorithms.base import Batch, PolicyTerms
+from trainer.prompt_sharing import shared_prompt_logprobs
 from algorithms.grpo import GRPO, GRPOConfig, group_advantages, k3_kl
 from selfdistill_helpers import arith, ctx, grads, tiny
 
@@ -24,7 +25,7 @@ EXPECTED = {"seq-mean-token-mean": -0.1174729, "token-mean": -0.5762094, "dr_grp
 
 def example_batch(loss_type: str, max_len: int = 4) -> Batch:
     b = Batch(torch.ones(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long), MASK.clone(),
-              advantages=ADV.clone(), old_logprobs=OLD.clone())
+              policy=PolicyTerms(ADV.clone(), old_logprobs=OLD.clone()))
     if loss_type == "seq-mean-token-mean":
         b.row_units = torch.ones(2)
     elif loss_type == "dr_grpo":
@@ -138,7 +139,7 @@ def test_matches_trl_on_identical_tensors(ours, theirs, beta):
     pad = lambda x: torch.nn.functional.pad(x, (1, 0))  # noqa: E731
     leaf = stub_logprobs(algo, pad(logp))
     batch = Batch(torch.ones(b, t + 1, dtype=torch.long), torch.ones(b, t + 1, dtype=torch.long), pad(mask),
-                  advantages=adv, old_logprobs=pad(old), ref_logprobs=pad(ref))
+                  policy=PolicyTerms(adv, old_logprobs=pad(old), ref_logprobs=pad(ref)))
     if ours == "seq-mean-token-mean":
         batch.row_units = torch.ones(b)
     elif ours == "dr_grpo":
@@ -161,9 +162,9 @@ def rollout(loss_type: str = "token-mean", **kw):
 def test_make_batch_groups_rewards_and_logprobs():
     algo, model, tok, task, batch = rollout()
     assert len(batch) == 12 and batch.uids[:2] == [f"{task.train_examples()[0].uid}/0", f"{task.train_examples()[0].uid}/1"]
-    assert batch.prompt_lengths.tolist()[:4] == [batch.prompt_lengths[0].item()] * 4
+    assert batch.policy.prompt_lengths.tolist()[:4] == [batch.policy.prompt_lengths[0].item()] * 4
     # advantages sum to 0 in each group (group-relative)
-    assert batch.advantages.view(3, 4).sum(1).abs().max() < 1e-5
+    assert batch.policy.advantages.view(3, 4).sum(1).abs().max() < 1e-5
     assert {"rollout/reward", "grpo/frac_zero_std", "grpo/reward_none", "grpo/empty_completions"} <= set(batch.metrics)
     # trainer log-probs (logits / temperature) equal the engine's sampling log-probs
     algo.cfg.temperature = 1.0
@@ -188,7 +189,7 @@ def test_grad_accumulation_and_data_parallel_are_exact(loss_type):
     """One batch in one pass == micro-batches == two 'ranks' each with half the rows and the normaliser
     global/2, their gradients averaged (what DDP does)."""
     algo, model, tok, task, batch = rollout(loss_type)
-    batch.advantages = torch.linspace(-1, 1, len(batch))  # non-zero advantages on every row
+    batch.policy.advantages = torch.linspace(-1, 1, len(batch))  # non-zero advantages on every row
     full = grads(model, algo, batch, len(batch))
     micro = grads(model, algo, batch, 5)
     halves = [batch._map(lambda t, r=r: t[r], r) for r in (torch.arange(0, 8), torch.arange(8, 12))]
@@ -207,10 +208,10 @@ def test_grad_accumulation_and_data_parallel_are_exact(loss_type):
 
 def test_num_iterations_reuses_rollouts_with_stored_old_logprobs():
     algo, model, tok, task, batch = rollout(num_iterations=2)
-    assert batch.old_logprobs is not None
+    assert batch.policy.old_logprobs is not None
     mask = batch.loss_mask.bool()
     out = algo.loss(model, batch, batch.num_targets().float())
-    assert (out.token_logprobs[mask] - batch.old_logprobs[mask]).abs().max() < 1e-6  # rho = 1 at iteration 1
+    assert (out.token_logprobs[mask] - batch.policy.old_logprobs[mask]).abs().max() < 1e-6  # rho = 1 at iteration 1
     again = algo.make_batch(task.train_examples()[3:6], ctx(model, tok, task))
     assert again is batch and again.metrics["grpo/iteration"].item() == 2.0
     fresh = algo.make_batch(task.train_examples()[3:6], ctx(model, tok, task))
@@ -221,7 +222,7 @@ def test_kl_reference_is_the_starting_weights():
     algo, model, tok, task, batch = rollout(beta=0.1)
     mask = batch.loss_mask.bool()
     out = algo.loss(model, batch, batch.num_targets().float())
-    assert (out.token_logprobs[mask] - batch.ref_logprobs[mask]).abs().max() < 1e-5
+    assert (out.token_logprobs[mask] - batch.policy.ref_logprobs[mask]).abs().max() < 1e-5
     assert out.metrics["grpo/kl"].item() < 1e-6
     with torch.no_grad():
         for p in model.parameters():
@@ -242,10 +243,10 @@ def test_bad_inputs_give_zero_advantage_never_nan():
     algo = GRPO(GRPOConfig(num_generations=3, reward_fn="test_grpo:none_for_odd"))
     batch = algo.make_batch(examples, ctx(model, tok, task))
     odd = torch.tensor([int(ex.uid.rsplit("-", 1)[1]) % 2 == 1 for ex in examples]).repeat_interleave(3)
-    assert (batch.advantages[odd] == 0).all() and batch.metrics["grpo/reward_none"].item() == odd.float().mean()
+    assert (batch.policy.advantages[odd] == 0).all() and batch.metrics["grpo/reward_none"].item() == odd.float().mean()
     # empty completions (a row with no completion token) and all-equal rewards
     batch.loss_mask[0] = 0
-    batch.advantages = torch.zeros(len(batch))
+    batch.policy.advantages = torch.zeros(len(batch))
     for loss_type in ("token-mean", "seq-mean-token-mean", "dr_grpo"):
         algo.cfg.loss_type = loss_type
         out = algo.loss(model, batch, batch.num_targets().float().clamp(min=1))
@@ -253,7 +254,7 @@ def test_bad_inputs_give_zero_advantage_never_nan():
         assert all(torch.isfinite(v) for v in out.metrics.values())
     # nothing to train on at all: still finite
     empty = Batch(batch.input_ids[:2], batch.attention_mask[:2], torch.zeros_like(batch.loss_mask[:2]),
-                  advantages=torch.zeros(2))
+                  policy=PolicyTerms(torch.zeros(2)))
     out = algo.loss(model, empty, torch.tensor(1.0))
     assert out.loss.item() == 0.0 and all(torch.isfinite(v) for v in out.metrics.values())
 
@@ -264,7 +265,7 @@ def test_group_of_one_warns_and_has_no_signal():
     with pytest.warns(UserWarning, match="num_generations=1"):
         algo = GRPO(GRPOConfig(num_generations=1))
     batch = algo.make_batch(task.train_examples()[:3], ctx(model, tok, task))
-    assert (batch.advantages == 0).all() and batch.metrics["grpo/frac_zero_std"].item() == 1.0
+    assert (batch.policy.advantages == 0).all() and batch.metrics["grpo/frac_zero_std"].item() == 1.0
 
 
 @pytest.mark.parametrize("key,value,message", [
@@ -295,10 +296,10 @@ def length_reward(example, completion):  # dense reward so a random-init model g
 
 def test_prompt_sharing_gives_the_same_loss_and_gradients():
     algo, model, tok, task, batch = rollout("seq-mean-token-mean")
-    batch.advantages = torch.linspace(-1, 1, len(batch))
+    batch.policy.advantages = torch.linspace(-1, 1, len(batch))
     flat_loss = algo.loss(model, batch, batch.num_targets().float()).loss.item()
     flat = grads(model, algo, batch, 8)
-    algo.prompt_sharing = True
+    algo.share_prompts(shared_prompt_logprobs)
     batch.share_group = torch.arange(3).repeat_interleave(4)
     micros = batch.micro_batches(8)
     assert [m.share_group.tolist() for m in micros] == [[0, 0, 0, 0, 1, 1, 1, 1], [2, 2, 2, 2]]  # groups kept whole
@@ -313,7 +314,8 @@ def test_loss_never_asks_the_model_for_full_logits(sharing):
     """Log-probs come from final hidden states + the head, chunked: the model is called with
     logits_to_keep=1, so [B, T, V] logits are never built (what lets a 151k vocabulary fit)."""
     algo, model, tok, task, batch = rollout()
-    algo.prompt_sharing = sharing
+    if sharing:
+        algo.share_prompts(shared_prompt_logprobs)
     calls = []
     forward = model.forward
 

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from algorithms.base import Batch
+from algorithms.base import Batch, TeacherTerms
 from algorithms.mass import (
     MASS, InfluenceTracker, MASSConfig, draw_mask, mask_probs, masked_count, span_influence, split_spans,
 )
@@ -25,7 +25,7 @@ def test_reduces_exactly_to_opsd():
     opsd = OPSD(OPSDConfig())
     b_mass, b_opsd = mass.make_batch(examples, ctx(model, tok, task)), opsd.make_batch(examples, ctx(model, tok, task))
     assert torch.equal(b_mass.input_ids, b_opsd.input_ids)
-    assert torch.equal(b_mass.teacher_hidden, b_opsd.teacher_hidden)
+    assert torch.equal(b_mass.teacher.hidden, b_opsd.teacher.hidden)
     g_mass, g_opsd = grads(model, mass, b_mass, 4), grads(model, opsd, b_opsd, 4)
     loss_mass = mass.loss(model, b_mass, b_mass.num_targets().float()).loss
     loss_opsd = opsd.loss(model, b_opsd, b_opsd.num_targets().float()).loss
@@ -40,9 +40,9 @@ def test_loss_hand_computed_with_two_views_and_gate_weights():
     th[0, 1, 0], th[0, 1, 1] = torch.tensor([0.2, 0.8]).log(), torch.tensor([0.6, 0.4]).log()
     th[0, 2] = th[0, 1]
     batch = Batch(torch.tensor([[0, 1, 0]]), torch.ones(1, 3, dtype=torch.long), torch.tensor([[0, 1, 1]]),
-                  teacher_hidden=th, token_weights=torch.tensor([[0.0, 1.0, 0.0]]))  # gate keeps token 1 only
+                  teacher=TeacherTerms(th, (torch.eye(2), None)),
+                  token_weights=torch.tensor([[0.0, 1.0, 0.0]]))  # gate keeps token 1 only
     algo = MASS(MASSConfig(temperature=1.0, beta=0.0))
-    algo.teacher_head = (torch.eye(2), None)
     # forward KL(T || S) = 0.4 ln(0.4/0.5) + 0.6 ln(0.6/0.5), weight 1 on token 1, 0 on token 2, normaliser 2
     expected = (0.4 * math.log(0.8) + 0.6 * math.log(1.2)) / 2
     assert math.isclose(algo.loss(model, batch, torch.tensor(2.0)).loss.item(), expected, rel_tol=1e-5)

@@ -9,9 +9,11 @@ import math
 import pytest
 import torch
 
-from algorithms.base import Batch
-from algorithms.opsd import OPSD, OPSDConfig, final_hidden, output_head, teacher_hidden
-from trainer.data import DataError
+from algorithms.base import Batch, TeacherTerms
+from algorithms.opsd import OPSD, OPSDConfig
+from algorithms.scoring import teacher_hidden
+from models.anatomy import final_hidden, output_head
+from tasks import DataError
 
 from selfdistill_helpers import arith, ctx, grads, tiny, two_steps_change_every_trainable_parameter
 from toy import ToyLM
@@ -23,13 +25,11 @@ def _toy_batch(teacher_logits):
     th = torch.zeros(1, 2, 1, 2)
     th[0, 1, 0] = torch.tensor(teacher_logits)
     return Batch(torch.tensor([[0, 1]]), torch.ones(1, 2, dtype=torch.long), torch.tensor([[0, 1]]),
-                 teacher_hidden=th)
+                 teacher=TeacherTerms(th, (torch.eye(2), None)))  # the toy's output head is the identity
 
 
 def _toy_algo(**kw):
-    algo = OPSD(OPSDConfig(temperature=1.0, **kw))
-    algo.teacher_head = (torch.eye(2), None)
-    return algo
+    return OPSD(OPSDConfig(temperature=1.0, **kw))
 
 
 def test_loss_hand_computed_jsd_and_limits():
@@ -76,7 +76,7 @@ def test_teacher_prompt_is_used_whole_with_a_long_reference():
     full = torch.tensor([prompt + completion])
     with torch.no_grad():
         direct = final_hidden(model, full, torch.ones_like(full))[0, len(prompt) - 1: len(prompt) - 1 + n]
-    assert torch.allclose(batch.teacher_hidden[0, start: start + n, 0], direct, atol=1e-5)
+    assert torch.allclose(batch.teacher.hidden[0, start: start + n, 0], direct, atol=1e-5)
     assert tok.decode(prompt).count("1+1=2") == 60
 
 

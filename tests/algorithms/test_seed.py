@@ -209,7 +209,7 @@ def test_self_anchor_is_forward_kl_to_the_starting_weights():
     algo = SEED(SEEDConfig(data_source="self", self_temperature=1.0))
     c = ctx(model, tok, task, max_new_tokens=10)
     batch = algo.make_batch(task.train_examples()[:4], c)  # the reference copy is taken here
-    assert batch.loss_mask.sum() > 4 and batch.teacher_hidden is not None
+    assert batch.loss_mask.sum() > 4 and batch.teacher is not None
     assert algo.terms(model, batch)["full"].abs() < 1e-5  # the model is still the starting model
     start = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from algorithms.base import Batch
+from algorithms.base import Batch, PolicyTerms, TeacherTerms
 from algorithms.tesd import TESD, TESDConfig, copies_reference, independence, reliability
 
 from selfdistill_helpers import arith, ctx, tiny, two_steps_change_every_trainable_parameter
@@ -37,10 +37,9 @@ def test_loss_hand_computed_student_and_teacher_terms():
     th = torch.zeros(2, 2, 1, 2)
     th[0, 1, 0] = torch.tensor([0.0, math.log(3.0)])
     batch = Batch(torch.tensor([[0, 1], [0, 1]]), torch.ones(2, 2, dtype=torch.long), torch.tensor([[0, 1], [0, 1]]),
-                  advantages=torch.tensor([0.0, 2.0]), token_weights=torch.tensor([[0.0, 0.5], [0.0, 1.0]]),
-                  teacher_hidden=th, row_group=torch.tensor([0, 1]), num_groups=2)
+                  policy=PolicyTerms(torch.tensor([0.0, 2.0])), token_weights=torch.tensor([[0.0, 0.5], [0.0, 1.0]]),
+                  teacher=TeacherTerms(th, (torch.eye(2), None)), row_group=torch.tensor([0, 1]), num_groups=2)
     algo = TESD(TESDConfig(temperature=1.0, beta=0.0, alpha=0.5))
-    algo.teacher_head = (torch.eye(2), None)
     out = algo.loss(model, batch, torch.tensor([1.0, 1.0]))
     student = 0.5 * (0.25 * math.log(0.5) + 0.75 * math.log(1.5))  # reliability x KL(T || S)
     teacher = -2.0 * 1.0  # -A x ratio (ratio 1 on-policy)
@@ -61,7 +60,7 @@ def test_batch_has_two_groups_normalised_separately():
     assert targets.shape == (2,)
     assert targets[0] == batch.loss_mask[:3].sum() and targets[1] == batch.loss_mask[3:].sum()
     # student rows carry the reliability of their question; advantages sum to ~0 within each group
-    assert torch.allclose(batch.advantages[3:].view(3, 2).sum(1), torch.zeros(3), atol=1e-5)
+    assert torch.allclose(batch.policy.advantages[3:].view(3, 2).sum(1), torch.zeros(3), atol=1e-5)
     sel = batch.loss_mask[:3].bool()
     for b in range(3):
         w = batch.token_weights[b][sel[b]]

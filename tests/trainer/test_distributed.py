@@ -79,6 +79,7 @@ def test_warm_start_built_by_rank0_and_shared(tmp_path, subprocess_env):
     out, cache = tmp_path / "run", tmp_path / "cache"
     small = ["model=tiny", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
              "model.intermediate_size=64", "model.warm_start_steps=2", "model.warm_start_batch_size=4",
+             "model.warm_start_min_accuracy=0",
              f"model.cache_dir={cache}"]
     args = [a for a in tiny_overrides(out, "trainer.max_steps=2", "backend=ddp") if not a.startswith("model")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

@@ -1,22 +1,23 @@
-"""Tasks (a dataset plus a verifier), answer extraction and the trainer's prompt stream.
+"""Tasks: a dataset plus a verifier, and answer extraction. Algorithms and the trainer import
+tasks; tasks import nothing of theirs (only `models.tokenizer` for the embedded alphabet).
 
-    from trainer.data import build_task, PromptStream
+    from tasks import build_task
     task = build_task("arith", seed=0, digits=3, steps=2)          # the embedded task
     task = build_task("text", path="data/train.jsonl", test_fraction=0.1)
     result = task.verify(example, completion)                    # VerifyResult; score(result, mode)
 
 Modules: `base` (Example, VerifyResult, score, extract_answer, answers_equal, mask_spans),
 `arith` (ArithTask and its worked-solution format), `text` (TextTask: JSONL / Parquet / CSV /
-saved datasets / hub), `stream` (PromptStream). No Hydra here: tasks take plain keyword arguments.
-Run the tests with `python -m pytest tests/trainer/test_data.py -q`.
+saved datasets / hub). No Hydra here: tasks take plain keyword arguments.
+Run the tests with `python -m pytest tests/tasks -q`.
 """
 from __future__ import annotations
 
 import os
 from typing import Any, Callable
 
-from trainer.data.arith import ArithTask
-from trainer.data.base import (
+from tasks.arith import ArithTask
+from tasks.base import (
     DataError,
     Example,
     Task,
@@ -26,8 +27,7 @@ from trainer.data.base import (
     mask_spans,
     score,
 )
-from trainer.data.stream import PromptStream
-from trainer.data.text import TextTask
+from tasks.text import TextTask
 
 TASKS: dict[str, Callable[..., Task]] = {"arith": ArithTask, "text": TextTask}
 # Named user datasets: a preset is TextTask keyword arguments the caller may override.
@@ -49,6 +49,6 @@ def build_task(name: str, **kwargs: Any) -> Task:
 
 
 __all__ = [
-    "ArithTask", "DataError", "Example", "PRESETS", "PromptStream", "TASKS", "Task", "TextTask",
+    "ArithTask", "DataError", "Example", "PRESETS", "TASKS", "Task", "TextTask",
     "VerifyResult", "answers_equal", "build_task", "extract_answer", "mask_spans", "score",
 ]

@@ -45,7 +45,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from trainer.data.base import (
+from tasks.base import (
     ANSWER_MARKER,
     DataError,
     Example,

@@ -1,4 +1,4 @@
-"""Tests for trainer/data: answers, the arith task and its step checker, user data loading, PromptStream."""
+"""Tests for tasks/: answers, the arith task and its step checker, user data loading."""
 from __future__ import annotations
 
 import json
@@ -7,11 +7,10 @@ import warnings
 import pytest
 
 from models.tokenizer import CHARSET
-from trainer.data import (
+from tasks import (
     ArithTask,
     DataError,
     Example,
-    PromptStream,
     Task,
     TextTask,
     VerifyResult,
@@ -21,7 +20,7 @@ from trainer.data import (
     mask_spans,
     score,
 )
-from trainer.data.arith import column_equations, eval_int_expr, parse_steps
+from tasks.arith import column_equations, eval_int_expr, parse_steps
 
 GOLD = """345+278: 5+8=13, 4+7+1=12, 3+2+1=6. 345+278=623
 623-12: 3-2=1, 2-1=1, 6-0=6. 623-12=611
@@ -377,45 +376,11 @@ def test_text_spans_join_back(tmp_path):
         "First we add. Then we double it! So 8.\n", "#### 8"]
 
 
-# ---------------------------------------------------------------------------------------------
-# PromptStream
-
-
-def _examples(n):
-    return [Example(f"q{i}", f"#### {i}", str(i), f"u{i}") for i in range(n)]
-
-
-def test_stream_resumes_exactly():
-    examples = _examples(10)
-    a = PromptStream(examples, global_batch_size=4, seed=7)
-    for _ in range(6):  # 24 examples: past two epoch boundaries
-        a.next_batch()
-    state = a.state_dict()
-    expected = [a.next_batch() for _ in range(5)]
-    b = PromptStream(examples, global_batch_size=4, seed=7)
-    b.load_state_dict(json.loads(json.dumps(state)))  # survives a JSON round trip
-    assert [b.next_batch() for _ in range(5)] == expected
-    with pytest.raises(DataError, match="state was saved"):
-        PromptStream(_examples(11), global_batch_size=4, seed=7).load_state_dict(state)
-
-
-def test_stream_epochs_cover_every_example_and_reshuffle():
-    examples = _examples(12)
-    stream = PromptStream(examples, global_batch_size=4, seed=0)
-    epoch0 = [e for _ in range(3) for e in stream.next_batch()]
-    epoch1 = [e for _ in range(3) for e in stream.next_batch()]
-    assert sorted(e.uid for e in epoch0) == sorted(e.uid for e in examples) == sorted(e.uid for e in epoch1)
-    assert epoch0 != epoch1 and stream.state_dict()["epoch"] == 2
-    straddle = PromptStream(_examples(5), global_batch_size=4, seed=0)
-    assert len(straddle.next_batch()) == 4 and len(straddle.next_batch()) == 4  # runs on into epoch 1
-
-
-def test_stream_rank_shares_concatenate_to_the_global_batch():
-    examples = _examples(13)
-    single = PromptStream(examples, global_batch_size=6, seed=3)
-    ranks = [PromptStream(examples, global_batch_size=6, seed=3, rank=r, world_size=2) for r in range(2)]
-    for _ in range(7):
-        shares = [s.next_batch() for s in ranks]
-        assert len(shares[0]) == 3 and shares[0] + shares[1] == single.next_batch()
-    with pytest.raises(DataError, match="not divisible"):
-        PromptStream(examples, global_batch_size=6, seed=3, world_size=4)
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_non_utf8_file_is_a_data_error_naming_the_file(tmp_path, suffix):
+    path = tmp_path / f"latin1{suffix}"
+    text = '{"question": "caf\xe9?", "solution": "#### 1"}\n' if suffix == ".jsonl" else "question,solution\ncaf\xe9?,#### 1\n"
+    path.write_bytes(text.encode("latin-1"))
+    with pytest.raises(DataError) as e:
+        TextTask(path=str(path))
+    assert str(path) in str(e.value) and "not UTF-8" in str(e.value) and "0xe9" in str(e.value)

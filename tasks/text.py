@@ -32,7 +32,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer.data.base import (
+from tasks.base import (
     ANSWER_MARKER,
     DataError,
     Example,
@@ -101,6 +101,14 @@ def _read_parquet(path: Path) -> Rows:
 
 
 def _read_file(path: Path) -> Rows:
+    try:
+        return _read_by_suffix(path)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                        "save the file as UTF-8") from None
+
+
+def _read_by_suffix(path: Path) -> Rows:
     suffix = path.suffix.lower()
     if suffix in JSON_SUFFIXES:
         return _read_json(path)

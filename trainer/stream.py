@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from typing import Iterator, Sequence
 
-from trainer.data.base import DataError, Example
+from tasks.base import DataError, Example
 
 
 class PromptStream:

@@ -1,0 +1,67 @@
+"""Rollout helpers shared by the on-policy algorithms: encode prompts, sample completions through the
+inference engine, and lay prompt + completion rows out as a training Batch.
+
+    prompts = [encode(tok, task.prompt(ex)) for ex in examples]
+    completions = sample(ctx, prompts, temperature=1.0, top_p=1.0)
+    batch = rollout_batch(prompts, completions, tok.pad_token_id, device, uids)
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from algorithms.base import Batch, RolloutContext, pad_right
+from tasks import DataError
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def sample(ctx: RolloutContext, prompts: list[list[int]], temperature: float, top_p: float) -> list[Any]:
+    """On-policy completions through the engine (stop at EOS)."""
+    from inference import SamplingParams
+
+    params = SamplingParams(max_new_tokens=ctx.max_new_tokens, temperature=temperature, top_p=top_p,
+                            stop_token_ids=(ctx.tokenizer.eos_token_id,))
+    return ctx.engine.generate(prompts, params, generator=ctx.generator)
+
+
+def rollout_batch(prompts: list[list[int]], completions: Sequence[Any], pad_id: int, device: torch.device,
+                  uids: list[str]) -> Batch:
+    """prompt + completion rows; loss on completion tokens; the sampler's log-probs kept for the gap check."""
+    ids, attn = pad_right([p + c.tokens for p, c in zip(prompts, completions)], pad_id, device)
+    loss_mask = completion_mask(prompts, [c.tokens for c in completions], ids)
+    rollout_logprobs = torch.zeros(ids.shape, dtype=torch.float32)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        rollout_logprobs[i, len(p): len(p) + len(c.tokens)] = torch.tensor(c.logprobs, dtype=torch.float32)
+    return Batch(ids, attn, loss_mask, rollout_logprobs=rollout_logprobs.to(device), uids=uids)
+
+
+def completion_mask(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], ids: torch.Tensor
+                    ) -> torch.Tensor:
+    """(B, T) 1 on the completion tokens of right-padded prompt + completion rows."""
+    mask = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        mask[i, len(p): len(p) + len(c)] = 1
+    return mask
+
+
+def rollout_metrics(task: Any, tokenizer: Any, examples: Sequence[Any], completions: Sequence[Any],
+                    prefix: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Rewards of the rollouts (the task's verifier) and their mean length, as train metrics."""
+    rewards = [task.verify(ex, tokenizer.decode(c.tokens, skip_special_tokens=True)).reward
+               for ex, c in zip(examples, completions)]
+    metrics = {f"{prefix}/reward": torch.tensor(sum(rewards) / max(len(rewards), 1)),
+               f"{prefix}/length": torch.tensor(sum(len(c.tokens) for c in completions) / max(len(completions), 1))}
+    return metrics, rewards
+
+
+def require_references(examples: Sequence[Any], algo_name: str) -> None:
+    from tasks import DataError
+
+    for ex in examples:
+        if not ex.solution or not ex.solution.strip():
+            raise DataError(f"{algo_name} needs a reference solution for every question; example {ex.uid} "
+                             "has an empty solution (set data.solution_field to the field holding worked solutions)")

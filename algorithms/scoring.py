@@ -1,0 +1,72 @@
+"""Per-token features of a model for the losses: final hidden states + output head (so [B, T, V]
+logits are never built), the predicting-state shift, teacher passes under other prompts, and the
+scatter of per-token values back to (B, T).
+
+    feats, head = student_features(model, ids, mask)     # (B, T, H) + head, or (B, T, V) logits + None
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from algorithms.base import pad_right
+from models.anatomy import Head, final_hidden, output_head
+
+
+def student_features(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+                     ) -> tuple[torch.Tensor, Optional[Head]]:
+    """(features predicting token t at [:, t], head): hidden states + head, or logits + None."""
+    head = output_head(model)
+    if head is not None:
+        feats = final_hidden(model, input_ids, attention_mask)  # (B, T, H)
+    else:
+        feats = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
+    return predicting(feats), head
+
+
+def predicting(states: torch.Tensor) -> torch.Tensor:
+    """Shift (B, T, D) states so [:, t] is the state that predicts token t (zeros at t = 0)."""
+    return torch.nn.functional.pad(states[:, :-1], (0, 0, 1, 0))
+
+
+@torch.no_grad()
+def teacher_hidden(teacher: nn.Module, views: list[list[list[int]]], completions: list[list[int]],
+                   starts: list[int], width: int, rows_per_pass: int, device: torch.device) -> torch.Tensor:
+    """Final hidden states of the teacher over each row's completion, under K prompts per row.
+
+    views[b][k]: the k-th teacher prompt of row b; completions[b]: its completion tokens, which sit
+    at student positions starts[b] + j. Returns (B, width, K, H) aligned with the student row:
+    [b, starts[b] + j, k] is the hidden state that predicts completion token j under prompt k.
+    The teacher prompt is used whole, however long (it is never cut to the student's length).
+    """
+    flat = [(b, k, prompt) for b, row in enumerate(views) for k, prompt in enumerate(row)]
+    k_views = len(views[0])
+    out: Optional[torch.Tensor] = None
+    for start in range(0, len(flat), rows_per_pass):
+        part = flat[start: start + rows_per_pass]
+        ids, attn = pad_right([prompt + completions[b] for b, _, prompt in part], 0, device)
+        hidden = final_hidden(teacher, ids, attn)  # (n, T', H)
+        if out is None:
+            out = hidden.new_zeros(len(views), width, k_views, hidden.shape[-1])
+        for i, (b, k, prompt) in enumerate(part):
+            n = len(completions[b])
+            out[b, starts[b]: starts[b] + n, k] = hidden[i, len(prompt) - 1: len(prompt) - 1 + n]
+    assert out is not None
+    return out
+
+
+def scatter_tokens(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """(N,) per selected token -> (B, T) detached, zeros elsewhere."""
+    out = torch.zeros(sel.shape, dtype=torch.float32, device=values.device)
+    out[sel] = values.detach().float()
+    return out
+
+
+def detached_head(teacher: nn.Module) -> Head:
+    head = output_head(teacher)
+    if head is None:
+        raise ValueError("self-distillation needs a plain linear output head on the teacher (models with logit "
+                         "soft-capping or scaling are not supported)")
+    return head[0].detach(), None if head[1] is None else head[1].detach()

@@ -1,0 +1,104 @@
+"""Self-distillation pieces shared by OPSD, MASS and TESD: their common keys, the teacher-vs-student
+divergence loss over completion tokens, and its value checks.
+
+The student sees the question; the teacher is the same model (or a frozen / EMA copy, `teacher`)
+shown the question plus privileged context. Per completion token the loss is a divergence between
+the two next-token distributions (`losses.chunked_self_distill`: generalized JSD(beta), or the
+sampled-token form), built a chunk of tokens at a time from final hidden states and the output head,
+weighted per token, summed and divided by the global token count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
+
+import torch
+from torch import nn
+
+from algorithms import losses
+from algorithms.base import Batch, StepOutput, Traits
+from algorithms.scoring import scatter_tokens, student_features
+from models.anatomy import Head
+from models.lora import LoRAOptions
+
+TEACHER_MODES = ("current", "fixed", "ema")
+DIVERGENCES = ("full", "sampled")
+
+
+@dataclass
+class SelfDistillConfig(LoRAOptions):
+    """The keys OPSD, MASS and TESD share (each config adds `name` and its own keys)."""
+
+    traits: ClassVar[Traits] = Traits(needs_reference=True)  # the teacher prompt carries the reference
+
+    temperature: float = 1.1  # rollout sampling temperature; the divergence uses logits / temperature too
+    top_p: float = 0.95
+    teacher: str = "current"  # current | fixed | ema
+    ema_decay: float = 0.999
+    beta: float = 0.5  # generalized JSD mixture: 0 forward KL(teacher||student), 1 reverse KL
+    divergence: str = "full"  # full (JSD over the vocabulary) | sampled (sampled-token form)
+    token_clip: float = 0.0  # > 0: per-token hard clip of the divergence (clipped tokens get no gradient)
+    teacher_top_k: int = 0  # > 0: both distributions restricted to the teacher's top-k, renormalised
+    loss_chunk_tokens: int = 0  # tokens per logits chunk in the loss; 0 = from the vocabulary size (~256 MiB of logits)
+    teacher_batch_size: int = 32  # rows per no-grad teacher forward
+    seed: int = 0
+
+    def validate(self) -> None:
+        check_self_distill_config(self)
+
+
+def check_self_distill_config(cfg: Any) -> None:
+    """Value checks shared by OPSD, MASS and TESD; raises ValueError naming the key."""
+    if cfg.teacher not in TEACHER_MODES:
+        raise ValueError(f"algo.teacher={cfg.teacher} is not one of {', '.join(TEACHER_MODES)}")
+    if cfg.divergence not in DIVERGENCES:
+        raise ValueError(f"algo.divergence={cfg.divergence} is not one of {', '.join(DIVERGENCES)}")
+    if not 0.0 <= cfg.beta <= 1.0:
+        raise ValueError(f"algo.beta={cfg.beta} must be in [0, 1]")
+    if cfg.temperature <= 0:
+        raise ValueError(f"algo.temperature={cfg.temperature} must be > 0 (on-policy rollouts sample)")
+    if not 0.0 < cfg.top_p <= 1.0:
+        raise ValueError(f"algo.top_p={cfg.top_p} must be in (0, 1]")
+    if not 0.0 <= cfg.ema_decay < 1.0:
+        raise ValueError(f"algo.ema_decay={cfg.ema_decay} must be in [0, 1)")
+    if cfg.teacher_batch_size <= 0:
+        raise ValueError(f"algo.teacher_batch_size={cfg.teacher_batch_size} must be > 0")
+    if cfg.lora_rank < 0 or cfg.loss_chunk_tokens < 0 or cfg.teacher_top_k < 0 or cfg.token_clip < 0:
+        raise ValueError("algo.lora_rank, algo.loss_chunk_tokens, algo.teacher_top_k and algo.token_clip must be >= 0")
+
+
+def distill_terms(feats: torch.Tensor, head: Optional[Head], micro: Batch, sel: torch.Tensor, cfg: Any
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token (divergence, weight, student log-prob of the token) over the tokens `sel` (B, T).
+
+    feats/head from `student_features`; the teacher from micro.teacher (hidden states and the head
+    they were made with); weights are micro.token_weights (1 where unset).
+    """
+    assert micro.teacher is not None, "make_batch must fill batch.teacher"
+    teacher = micro.teacher
+    div, token_logp = losses.chunked_self_distill(
+        feats[sel], head, teacher.hidden[sel], teacher.head, micro.input_ids[sel], beta=cfg.beta,
+        temperature=cfg.temperature, top_k=cfg.teacher_top_k, form=cfg.divergence,
+        aggregate=getattr(cfg, "aggregate", "mean"), chunk=chunk_size(cfg, teacher.head, micro))  # (N,), (N,)
+    if cfg.token_clip > 0:
+        div = div.clamp(max=cfg.token_clip)
+    weights = torch.ones_like(div) if micro.token_weights is None else micro.token_weights[sel].to(div.dtype)
+    return div, weights, token_logp
+
+
+def chunk_size(cfg: Any, head: Head, batch: Batch) -> int:
+    """`loss_chunk_tokens`, or with 0 a size from the vocabulary and the number of teacher views."""
+    views = batch.teacher.hidden.shape[2] if batch.teacher is not None else 1
+    return cfg.loss_chunk_tokens or losses.auto_chunk(head[0].shape[0], views)
+
+
+def distill_loss(model: nn.Module, micro: Batch, normaliser: torch.Tensor, cfg: Any, prefix: str = "opsd"
+                 ) -> StepOutput:
+    """sum_t w_t D(p_S || p_T)_t / normaliser over the completion tokens, and metrics."""
+    feats, head = student_features(model, micro.input_ids, micro.attention_mask)  # (B, T, H|V)
+    sel = micro.loss_mask.bool()  # (B, T)
+    div, weights, token_logp = distill_terms(feats, head, micro, sel, cfg)
+    loss = losses.weighted_token_loss(div, weights, normaliser)
+    n = max(int(div.numel()), 1)
+    metrics = {f"{prefix}/divergence": div.detach().sum() / n, f"{prefix}/weight": weights.detach().sum() / n}
+    return StepOutput(loss, metrics, scatter_tokens(token_logp, sel))
