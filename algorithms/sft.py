@@ -29,6 +29,11 @@ class SFTConfig:
     mask_ratio: float = 0.3  # share of steps masked in a masked reference
     seed: int = 0
 
+    def validate(self) -> None:
+        for key in ("reference_fraction", "masked_fraction", "mask_ratio"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ValueError(f"algo.{key}={getattr(self, key)} must be in [0, 1]")
+
 
 class SFT:
     name = "sft"

@@ -81,3 +81,14 @@ def test_activation_keys_are_checked(tmp_path, override, message):
 
     with pytest.raises(ConfigError, match=message):
         tiny_config(tmp_path, override, algo="grpo")
+
+
+@pytest.mark.parametrize("override", ["trainer.max_new_tokens=0", "trainer.eval_examples=0",
+                                      "trainer.eval_max_new_tokens=0", "trainer.max_new_tokens=-3"])
+def test_sizes_that_make_a_run_meaningless_are_refused(override):
+    from algorithms import config_schemas
+    from trainer.config import ConfigError, load_config
+
+    key, value = override.split("=")
+    with pytest.raises(ConfigError, match=rf"^{key}={value} must be > 0$"):
+        load_config(["+algo=grpo", override], config_schemas())

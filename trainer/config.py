@@ -225,7 +225,9 @@ def validate(cfg: TrainConfig) -> None:
         if value not in allowed:
             raise ConfigError(f"{key}={value} is not one of {', '.join(allowed)}")
     t = cfg.trainer
-    for key in ("max_steps", "batch_size", "micro_batch_size", "eval_every", "save_every", "keep_last"):
+    # Sizes that would make a run meaningless (rollouts or evals of nothing report accuracy 0) are refused.
+    for key in ("max_steps", "batch_size", "micro_batch_size", "eval_every", "save_every", "keep_last",
+                "max_new_tokens", "eval_examples", "eval_max_new_tokens"):
         if getattr(t, key) <= 0:
             raise ConfigError(f"trainer.{key}={getattr(t, key)} must be > 0")
     if t.lr <= 0:
@@ -251,11 +253,10 @@ def validate(cfg: TrainConfig) -> None:
     if t.resume not in ("auto", "never") and not os.path.isdir(os.path.expanduser(t.resume)):
         raise ConfigError(f"trainer.resume={t.resume}: no such checkpoint directory")
     _validate_model_path(cfg.model)
-    if hasattr(cfg.algo, "validate"):
-        try:
-            cfg.algo.validate()
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+    try:
+        cfg.algo.validate()  # every algorithm config checks its own values
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if traits.needs_reference and cfg.data.name == "text" and not cfg.data.solution_field:
         raise ConfigError(f"algo {cfg.algo.name} distils from reference solutions, but data.solution_field is "
                           "empty: set it to the field holding worked solutions")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from algorithms.base import Batch, PolicyTerms, TeacherTerms, pad_right
+from algorithms.base import Batch, PolicyTerms, TeacherTerms, Traits, pad_right
 
 
 def test_micro_batches_group_by_length_cover_every_row_once_and_trim():
@@ -76,3 +76,13 @@ def test_grouped_terms_are_split_by_row_and_the_teacher_head_is_shared():
         assert micro.teacher.head is head  # one head for every row, never sliced
         assert micro.policy.advantages.shape == (len(micro),) == micro.policy.prompt_lengths.shape
         assert micro.teacher.hidden.shape[:2] == micro.input_ids.shape
+
+
+def test_every_config_declares_traits_and_validates_its_values():
+    from algorithms import REGISTRY
+
+    for name, (cfg, _) in REGISTRY.items():
+        assert isinstance(cfg.traits, Traits), name
+        cfg().validate()  # the defaults are valid
+    with pytest.raises(ValueError, match=r"algo.mask_ratio=1.5 must be in \[0, 1\]"):
+        REGISTRY["sft"][0](mask_ratio=1.5).validate()
