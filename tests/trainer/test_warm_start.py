@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 from trainer.config import ModelConfig
@@ -19,6 +20,7 @@ def _cfg(tmp_path, **kw):
     return ModelConfig(cache_dir=str(tmp_path / "cache"), **{**SMALL, **kw})
 
 
+@pytest.mark.slow  # warm-start build: 3.6 s
 def test_built_once_then_loaded_from_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(warm_start, "WARM_EVAL_EXAMPLES", 4)
     m = _cfg(tmp_path)
@@ -38,6 +40,7 @@ def test_built_once_then_loaded_from_cache(tmp_path, monkeypatch):
     assert tok.eos_token_id is not None and len(tok) == model.config.vocab_size
 
 
+@pytest.mark.slow  # warm-start builds: 26 s
 def test_recipe_change_or_seed_gives_new_entry_and_same_seed_same_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(warm_start, "WARM_EVAL_EXAMPLES", 4)
     m = _cfg(tmp_path)
