@@ -37,6 +37,7 @@ def test_generalized_jsd_hand_computed():
     assert losses.generalized_jsd(t, t, 0.5).abs().item() < 1e-12
 
 
+@pytest.mark.slow  # imports TRL: 6.6 s for the first case in the fast-tier run
 @pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
 def test_generalized_jsd_matches_trl(beta):
     gkd = pytest.importorskip("trl.experimental.gkd.gkd_trainer")
