@@ -1,8 +1,8 @@
 """TESD: Teacher-Evolution Self-Distillation -- OPSD where the self-teacher also learns to teach,
 and the student trusts it only as far as its guidance proved reliable.
 
-Paper: Yu, Dong, Zhang et al., "Teacher-Evolution Self-Distillation" (no public code; the abstract is
-in ../shared/seeds/000_*.txt). Per step, for each question:
+Paper: Yu, Dong, Zhang et al., "Teacher-Evolution Self-Distillation" (no public code; our reading and
+its formulas: docs/tesd.md). Per step, for each question:
 1. The student samples one completion (as OPSD); the teacher -- the same weights under the
    privileged prompt -- samples `teacher_rollouts` (G) completions. One engine call does both.
 2. Each teacher rollout is rewarded: correctness (the task verifier, `reward_mode`) +

@@ -5,7 +5,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT, tiny_overrides
+
+pytestmark = pytest.mark.slow  # train.py / evaluate.py subprocesses: 14-23 s per test
 
 
 def test_train_then_evaluate(tmp_path, subprocess_env):

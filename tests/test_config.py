@@ -1,10 +1,11 @@
 """The CLI/config surface: bad input fails fast with one clear line, before output_dir is touched;
-every YAML composes; the algorithm registry matches configs/algo/."""
+every YAML composes; the algorithm registry matches configs/algo/. (Every key listed with its default:
+tests/test_config_yaml.py.)"""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -25,19 +26,51 @@ BAD_INPUTS = [
 ]
 
 
+# Importing any of these means the run got past configuration: the model loader / warm start, the
+# process group, the training loop, tracking. A config error must stop before all of them -- that is
+# what makes it fail fast (a wall-clock bound would measure the shared machine instead).
+HEAVY_MODULES = ("trainer.setup", "trainer.loop", "trainer.distributed", "trainer.warm_start", "models.loading",
+                 "transformers", "wandb", "deepspeed")
+
+# `python train.py ARGS` exactly (run as __main__), plus a record of the modules imported by exit.
+RECORDING_RUNNER = (
+    "import atexit, json, runpy, sys\n"
+    "record, script, *args = sys.argv[1:]\n"
+    "atexit.register(lambda: open(record, 'w').write(json.dumps(sorted(sys.modules))))\n"
+    "sys.argv = [script, *args]\n"
+    "runpy.run_path(script, run_name='__main__')\n"
+)
+
+
+@pytest.mark.slow  # one fresh interpreter per case (~3-7 s each on the shared 2-core box)
 @pytest.mark.parametrize("args,expected", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
 def test_bad_input_fails_fast_with_one_line(tmp_path, subprocess_env, args, expected):
-    out = tmp_path / "run"
-    started = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, f"output_dir={out}"],
-                          capture_output=True, text=True, env=subprocess_env, cwd=tmp_path, timeout=60)
-    elapsed = time.perf_counter() - started
+    out, record = tmp_path / "run", tmp_path / "modules.json"
+    proc = subprocess.run([sys.executable, "-c", RECORDING_RUNNER, str(record), str(ROOT / "train.py"), *args,
+                           f"output_dir={out}"], capture_output=True, text=True, env=subprocess_env, cwd=tmp_path,
+                          timeout=120)
     assert proc.returncode != 0
     lines = [l for l in proc.stderr.strip().splitlines() if l.strip() and "WARNING" not in l]
     assert len(lines) == 1, proc.stderr
     assert expected in lines[0], lines[0]
+    assert lines[0].startswith("config error: "), lines[0]  # the one-line ConfigError, not a traceback
     assert not out.exists(), "nothing may be written to output_dir on a config error"
-    assert elapsed < 5.0, f"took {elapsed:.1f}s"
+    imported = set(json.loads(record.read_text()))
+    assert not imported & set(HEAVY_MODULES), f"got past configuration: imported {sorted(imported & set(HEAVY_MODULES))}"
+
+
+@pytest.mark.parametrize("args,expected", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_raises_one_line_config_error(tmp_path, args, expected):
+    """The same inputs in-process (the fast tier's check of the messages): one line, nothing written."""
+    from algorithms import config_schemas
+    from trainer.config import ConfigError, load_config
+
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError) as info:
+        load_config([*args, f"output_dir={out}"], config_schemas())
+    message = str(info.value)
+    assert "\n" not in message and expected in message, message
+    assert not out.exists()
 
 
 def test_missing_model_dir_without_config_json(tmp_path):

@@ -1,4 +1,4 @@
-"""GRPO: the worked example of ALGORITHMS.md, TRL's loss on identical tensors, exact aggregation under
+"""GRPO: the worked example of docs/grpo.md, TRL's loss on identical tensors, exact aggregation under
 grad accumulation and data parallelism, rollouts and rewards, and the bad inputs (G = 1, equal
 rewards, empty completions, reward functions returning None)."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from trainer.prompt_sharing import shared_prompt_logprobs
 from algorithms.grpo import GRPO, GRPOConfig, group_advantages, k3_kl
 from selfdistill_helpers import arith, ctx, grads, tiny
 
-# ALGORITHMS.md worked example: 2 sequences of 3 and 1 completion tokens (columns 1..3 of width 4).
+# docs/grpo.md worked example: 2 sequences of 3 and 1 completion tokens (columns 1..3 of width 4).
 LOGP = torch.tensor([[0.0, -0.2, -0.4, -0.1], [0.0, -0.7, 0.0, 0.0]])
 OLD = torch.tensor([[0.0, -0.5, -0.3, -0.1], [0.0, -0.2, 0.0, 0.0]])
 MASK = torch.tensor([[0, 1, 1, 1], [0, 1, 0, 0]])
@@ -117,6 +117,7 @@ def trl_loss(loss_type: str, logp, old, ref, mask, adv, beta: float, eps_low: fl
     return GRPOTrainer._compute_loss(fake, None, inputs)
 
 
+@pytest.mark.slow  # imports TRL: 3.9 s for the first case
 @pytest.mark.parametrize("ours,theirs", [("seq-mean-token-mean", "grpo"), ("token-mean", "dapo"),
                                          ("dr_grpo", "dr_grpo")])
 @pytest.mark.parametrize("beta", [0.0, 0.04])

@@ -9,6 +9,8 @@ import pytest
 
 from tests.conftest import ROOT, tiny_overrides, torchrun_train
 
+pytestmark = pytest.mark.slow  # torchrun with 2 ranks: 14-44 s per test in the baseline
+
 GRPO = ["trainer.max_new_tokens=24", "trainer.max_steps=2", "trainer.batch_size=4", "trainer.micro_batch_size=4",
         "algo.num_generations=4"]
 

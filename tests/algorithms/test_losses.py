@@ -37,6 +37,7 @@ def test_generalized_jsd_hand_computed():
     assert losses.generalized_jsd(t, t, 0.5).abs().item() < 1e-12
 
 
+@pytest.mark.slow  # imports TRL: 6.6 s for the first case in the fast-tier run
 @pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
 def test_generalized_jsd_matches_trl(beta):
     gkd = pytest.importorskip("trl.experimental.gkd.gkd_trainer")
@@ -91,7 +92,7 @@ def test_sampled_token_divergence_value_and_gradient():
 
 
 def test_group_advantages_worked_example():
-    # ALGORITHMS.md: rewards [1, 0, 0, 1] in one group -> +-0.8658754 (std unbiased, eps 1e-4)
+    # docs/grpo.md: rewards [1, 0, 0, 1] in one group -> +-0.8658754 (std unbiased, eps 1e-4)
     adv = losses.group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4, eps=1e-4)
     assert torch.allclose(adv, torch.tensor([0.8658754, -0.8658754, -0.8658754, 0.8658754]), atol=1e-6)
     assert torch.equal(losses.group_advantages(torch.tensor([3.0, 5.0]), 1), torch.zeros(2))
@@ -99,7 +100,7 @@ def test_group_advantages_worked_example():
 
 
 def test_clipped_policy_gradient_worked_example():
-    # ALGORITHMS.md: A = [1, -1]; logp [[-.2, -.4, -.1], [-.7]]; old [[-.5, -.3, -.1], [-.2]]; eps 0.2
+    # docs/grpo.md worked example: A = [1, -1]; logp [[-.2, -.4, -.1], [-.7]]; old [[-.5, -.3, -.1], [-.2]]; eps 0.2
     # -> per-token loss [[-1.2, -0.9048374, -1.0], [0.8]]
     logp = torch.tensor([[-0.2, -0.4, -0.1], [-0.7, 0.0, 0.0]])
     old = torch.tensor([[-0.5, -0.3, -0.1], [-0.2, 0.0, 0.0]])

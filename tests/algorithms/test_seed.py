@@ -240,6 +240,7 @@ def test_self_anchor_is_forward_kl_to_the_starting_weights():
     assert SEED(SEEDConfig()).state_dict() == {}
 
 
+@pytest.mark.slow  # train.py subprocess: 11.5 s
 def test_train_smoke_writes_drafter(tmp_path, subprocess_env):
     out = tmp_path / "run"
     args = tiny_overrides(out, "model.num_layers=4", "trainer.max_steps=2", algo="seed")
@@ -255,6 +256,7 @@ def test_train_smoke_writes_drafter(tmp_path, subprocess_env):
     assert "mean accepted length (greedy, tokens per verify forward): step 0" in proc.stdout
 
 
+@pytest.mark.slow  # train.py subprocesses: 26 s
 def test_self_anchor_resume_matches_an_uninterrupted_run(tmp_path, subprocess_env):
     """data_source=self through train.py: 4 steps, then the step-4 checkpoint removed and the run
     resumed from step 2 gives the same steps 3-4 (the anchor's starting weights are checkpointed,

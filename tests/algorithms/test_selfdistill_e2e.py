@@ -10,6 +10,8 @@ import pytest
 
 from tests.conftest import ROOT, tiny_overrides, torchrun_train
 
+pytestmark = pytest.mark.slow  # torchrun with 2 ranks / train.py subprocesses: 17-32 s per test
+
 ROLLOUT = ["trainer.max_new_tokens=24", "trainer.max_steps=2"]
 
 

@@ -25,6 +25,7 @@ def model_dir(tmp_path_factory, make_model) -> Path:
     return path
 
 
+@pytest.mark.slow  # python -m inference subprocess: 8.8 s
 def test_cli_generates_and_matches_engine(model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -236,6 +236,7 @@ def test_accept_greedy_rule():
     assert accepted.tolist() == [3, 1, 0, 1] and nxt.tolist() == [4, 9, 7, 2]
 
 
+@pytest.mark.slow  # chi-square sampling runs: 1.8-2.5 s per case
 @pytest.mark.parametrize("mode,params", [
     ("external", SamplingParams(max_new_tokens=3, temperature=1.0)),
     ("seed", SamplingParams(max_new_tokens=3, temperature=0.8, top_k=5)),

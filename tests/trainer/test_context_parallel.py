@@ -17,6 +17,7 @@ from trainer.context_parallel import cp_layout
 TOL = 1e-5
 
 
+@pytest.mark.slow  # 2-rank torchrun: 19 s
 def test_two_ranks_match_flattened(subprocess_env):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "trainer" / "cp_worker.py")]

@@ -28,6 +28,7 @@ def _records(out_dir, split="train"):
         return [r for r in map(json.loads, fh) if r["split"] == split]
 
 
+@pytest.mark.slow  # end-to-end train run: 1.5 s
 def test_run_writes_config_metrics_checkpoint_and_final(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -51,6 +52,7 @@ def test_run_writes_config_metrics_checkpoint_and_final(tmp_path):
         assert torch.equal(loaded(ids).logits, trained(ids).logits)
 
 
+@pytest.mark.slow  # two end-to-end train runs: 4.9 s
 def test_resume_matches_uninterrupted_run(tmp_path):
     straight = tmp_path / "straight"
     _run(tiny_config(straight, "trainer.max_steps=6", "trainer.resume=never"))
@@ -190,6 +192,7 @@ def test_rollout_logprob_gap_is_logged_and_small(tmp_path):
     assert _records(tmp_path / "run2")[0]["rollout/logprob_gap"] > 1e-2
 
 
+@pytest.mark.slow  # train run + offline W&B: 3.9 s
 def test_wandb_offline_without_key_writes_run_files(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)

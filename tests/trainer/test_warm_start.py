@@ -34,6 +34,7 @@ def _tiny_model(m):
     return load_model(m, World())
 
 
+@pytest.mark.slow  # warm-start build: 3.6 s
 def test_built_once_then_loaded_from_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(warm_start, "WARM_EVAL_EXAMPLES", 4)
     m = _cfg(tmp_path)
@@ -54,6 +55,7 @@ def test_built_once_then_loaded_from_cache(tmp_path, monkeypatch):
     assert tok.eos_token_id is not None and len(tok) == model.config.vocab_size
 
 
+@pytest.mark.slow  # warm-start builds: 26 s
 def test_recipe_change_or_seed_gives_new_entry_and_same_seed_same_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(warm_start, "WARM_EVAL_EXAMPLES", 4)
     m = _cfg(tmp_path)
@@ -79,6 +81,7 @@ def test_loading_an_unbuilt_entry_names_the_stage(tmp_path):
         load_model(_cfg(tmp_path), World())
 
 
+@pytest.mark.slow  # warm-start build
 def test_incomplete_entry_is_refused_and_rebuilt(tmp_path, monkeypatch, capsys):
     """An entry an older version published after an interrupted build (5 of 300 steps, accuracy 0)."""
     monkeypatch.setattr(warm_start, "WARM_EVAL_EXAMPLES", 4)
@@ -106,6 +109,7 @@ def test_entry_below_its_floor_is_refused(tmp_path):
     assert "below the floor 0.25" in default_model.entry_problem(dataclasses.replace(m, warm_start_min_accuracy=0.25))
 
 
+@pytest.mark.slow  # warm-start build
 def test_build_below_the_floor_publishes_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(warm_start, "WARM_EVAL_EXAMPLES", 4)
     m = _cfg(tmp_path, warm_start_min_accuracy=1.01)  # unreachable
