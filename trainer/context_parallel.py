@@ -1,7 +1,7 @@
 """AugTree context-parallel replay of ONE group (one prompt + G responses) across the ranks of a
 process group (gloo on CPU, NCCL on GPU), with exact gradients through the communication.
 
-A library function, not wired into the train loop: it is reached from
+A library function (`ContextParallel.logprobs`), not wired into the train loop: it is reached from
 tests/trainer/test_context_parallel.py (through tests/trainer/cp_worker.py) and
 benchmarks/augtree_bench.py. It needs a process group whose ranks all hold shards of the SAME prompt
 group, while the loop's data-parallel split gives every rank different prompts (it splits per
@@ -19,7 +19,8 @@ the least-loaded rank, every rank gets at least one). Each rank runs ONE forward
 [prompt shard ; owned responses] with explicit position ids (responses start at P). Embeddings,
 norms, MLPs and the head are token-local; only attention communicates, through an attention function
 registered in transformers' attention-function registry (named "augtree_cp_<id>") that the model
-is switched to for the call. Attention is computed as partials (O, L = log-sum-exp) in fp32 over key blocks, merged
+is switched to for the call. Attention is computed as partials (O, L = log-sum-exp) in fp32 over key
+blocks, merged
     L = logaddexp(L_a, L_b),  O = exp(L_a - L) O_a + exp(L_b - L) O_b
 and autograd runs backward through the merge. Visibility: a prompt query sees prompt keys at or
 before it; a response query sees the whole prompt and its own response causally.

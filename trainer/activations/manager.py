@@ -52,6 +52,7 @@ def _covers_storage(t: Tensor) -> bool:
         expected *= size
     return True
 
+
 def _storage_ptr(t: Tensor) -> int:
     try:
         return t.untyped_storage().data_ptr()
@@ -82,6 +83,7 @@ def _model_dtype_bytes_and_vocab(model: nn.Module) -> tuple[int, int]:
         except Exception:
             vocab = 0
     return dtype_bytes, int(vocab or 0)
+
 
 class _UnitStats:
     """Accumulates one unit's measurements during a profiled micro-batch."""
@@ -210,7 +212,7 @@ class ActivationManager:
         if not torch.is_grad_enabled():
             return orig(*args, **kwargs)
         hidden = args[0] if args else kwargs.get("hidden_states")
-        if i == 0:
+        if i == 0:  # layer 0 starts a micro-batch: a link outside this one must not skip layer 0 past it
             self._begin_microbatch(hidden)
         if self._profiling and self._forced is None:
             return self._profile_unit(i, orig, hidden, args, kwargs)

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+
 class Packed:
     """A compressed saved tensor: codes (groups, group_size), fp32 scale per group, original meta."""
 
@@ -139,4 +140,3 @@ class _View:
             flat = q.unpack(self.shared.packed)
             self.shared.cache = weakref.ref(flat)
         return flat.as_strided(self.shape, self.stride, 0)
-
