@@ -96,7 +96,7 @@ def _cp_worker(args) -> None:
     """One rank of the 2-rank context-parallel timing (launched by `run` through torchrun)."""
     import torch.distributed as dist
 
-    from trainer.context_parallel import context_parallel_logprobs
+    from trainer.context_parallel import ContextParallel
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -104,9 +104,11 @@ def _cp_worker(args) -> None:
     prompt, responses, advantages = make_group(args.prompt_len, args.group, args.response_len)
     result = {}
     for mode in ("lanes", "owners"):
+        cp = ContextParallel(mode)
+
         def step():
             model.zero_grad()
-            lps = context_parallel_logprobs(model, prompt, responses, mode)
+            lps = cp.logprobs(model, prompt, responses)
             loss = sum(a * lp.sum() for a, lp in zip(advantages.tolist(), lps) if lp is not None)
             loss.backward()
             return loss

@@ -4,7 +4,7 @@ A Qwen3-architecture model (tiny spec, char tokenizer) runs forward, token log-p
 loss = -(A_b * logp).sum() / N with random advantages (a quarter of the rows 0), backward, and an
 AdamW step (lr 0: the weights, and so the gradients compared across modes, stay identical), for
   none:       plain autograd (exact reference gradient);
-  checkpoint: every decoder layer recomputed (trainer/activations.py mode "checkpoint");
+  checkpoint: every decoder layer recomputed (trainer/activations/, mode "checkpoint");
   hilore:     the planner (mode "hilore"): per layer full / int8-compressed / recomputed, under the
               memory budget (x the estimated checkpointing peak) and the risk budget, with the
               exposure set from the advantages.

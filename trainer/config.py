@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from trainer.activations.options import ActivationConfig
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CACHE = "~/.cache/posttrain"
 
@@ -102,17 +104,20 @@ class TrainerConfig:
     keep_last: int = 2
     resume: str = "auto"  # auto | never | PATH
     max_new_tokens: int = 160  # rollout length for on-policy algorithms
-    # Actor-update memory/compute (trainer/activations.py): none | checkpoint (every block recomputed) |
-    # hilore (per-block full / compressed / recomputed, planned under the budgets below)
-    activations: str = "none"
-    activation_memory_budget: float = 1.10  # hilore: x the full-checkpointing peak
-    activation_risk_budget: float = 0.05  # hilore: summed compression error x policy-update exposure
-    activation_compress: str = "int8"  # hilore: int8 | fp8
-    activation_group_size: int = 64  # hilore: elements per quantisation scale
-    activation_stochastic_rounding: bool = False
-    activation_replan_tolerance: float = 0.1  # hilore: exposure change that triggers a re-plan
-    activation_profile_steps: int = 1  # hilore: micro-batches profiled before the first plan
-    activation_optimizer_bytes_per_param: float = 8.0  # hilore: optimizer state counted in the peak (AdamW 8)
+    # Actor-update memory/compute (trainer/activations/): none | checkpoint (every block recomputed) |
+    # hilore (per-block full / compressed / recomputed, planned under the budgets below). Declared,
+    # defaulted and validated by trainer/activations/options.py::ActivationConfig (trainer.activation_X
+    # is its field X); listed here as the user-facing keys.
+    activations: str = ActivationConfig.mode
+    activation_memory_budget: float = ActivationConfig.memory_budget  # hilore: x the full-checkpointing peak
+    activation_risk_budget: float = ActivationConfig.risk_budget  # hilore: summed compression error x exposure
+    activation_compress: str = ActivationConfig.compress  # hilore: int8 | fp8
+    activation_group_size: int = ActivationConfig.group_size  # hilore: elements per quantisation scale
+    activation_stochastic_rounding: bool = ActivationConfig.stochastic_rounding
+    activation_replan_tolerance: float = ActivationConfig.replan_tolerance  # hilore: exposure change that re-plans
+    activation_profile_steps: int = ActivationConfig.profile_steps  # hilore: micro-batches profiled first
+    # hilore: optimizer state counted in the peak (AdamW 8)
+    activation_optimizer_bytes_per_param: float = ActivationConfig.optimizer_bytes_per_param
     prompt_sharing: bool = False  # RL algorithms: each prompt computed once per group (trainer/prompt_sharing.py)
 
 
@@ -212,8 +217,6 @@ CHOICES = {
     "data.name": ("arith", "text"),
     "data.on_bad_row": ("error", "skip"),
     "model.dtype": ("float32", "bfloat16", "float16"),
-    "trainer.activations": ("none", "checkpoint", "hilore"),
-    "trainer.activation_compress": ("int8", "fp8"),
 }
 
 
@@ -225,6 +228,10 @@ def validate(cfg: TrainConfig) -> None:
         if value not in allowed:
             raise ConfigError(f"{key}={value} is not one of {', '.join(allowed)}")
     t = cfg.trainer
+    try:  # every trainer.activation* key, checked where they are declared
+        ActivationConfig.from_trainer(t).validate()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     # Sizes that would make a run meaningless (rollouts or evals of nothing report accuracy 0) are refused.
     for key in ("max_steps", "batch_size", "micro_batch_size", "eval_every", "save_every", "keep_last",
                 "max_new_tokens", "eval_examples", "eval_max_new_tokens"):
@@ -232,15 +239,6 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"trainer.{key}={getattr(t, key)} must be > 0")
     if t.lr <= 0:
         raise ConfigError(f"trainer.lr={t.lr} must be > 0")
-    if t.activation_group_size < 1 or t.activation_profile_steps < 1:
-        raise ConfigError(f"trainer.activation_group_size={t.activation_group_size} and "
-                          f"trainer.activation_profile_steps={t.activation_profile_steps} must be >= 1")
-    if t.activation_replan_tolerance < 0 or t.activation_optimizer_bytes_per_param < 0:
-        raise ConfigError(f"trainer.activation_replan_tolerance={t.activation_replan_tolerance} and trainer."
-                          f"activation_optimizer_bytes_per_param={t.activation_optimizer_bytes_per_param} must be >= 0")
-    if t.activation_memory_budget < 1.0 or t.activation_risk_budget < 0:
-        raise ConfigError(f"trainer.activation_memory_budget={t.activation_memory_budget} must be >= 1.0 and "
-                          f"trainer.activation_risk_budget={t.activation_risk_budget} >= 0")
     traits = cfg.algo.traits  # declared by every algorithm config (algorithms.base.Traits)
     if t.prompt_sharing and not traits.prompt_sharing:
         raise ConfigError(f"trainer.prompt_sharing=true: algo {cfg.algo.name} does not sample groups of responses "

@@ -1,13 +1,26 @@
 """AugTree context-parallel replay of ONE group (one prompt + G responses) across the ranks of a
 process group (gloo on CPU, NCCL on GPU), with exact gradients through the communication.
 
+A library function (`ContextParallel.logprobs`), not wired into the train loop: it is reached from
+tests/trainer/test_context_parallel.py (through tests/trainer/cp_worker.py) and
+benchmarks/augtree_bench.py. It needs a process group whose ranks all hold shards of the SAME prompt
+group, while the loop's data-parallel split gives every rank different prompts (it splits per
+prompt), so the loop has no such group; using it there needs a context-parallel dimension in how
+the loop distributes data, which it does not have yet.
+
+No module state. A `ContextParallel` holds the group and the mode; each `logprobs` call builds its
+layout and, for the one model call, registers the attention function (bound to that call's state)
+under a name of its own and switches the model to it, restoring the model's attention
+implementation and dropping the registration on exit.
+
 Placement (`cp_layout`, identical on every rank): the prompt is split into W contiguous shards
 (rank r owns prompt[r*P//W : (r+1)*P//W]); every response is owned whole by one rank (longest first to
 the least-loaded rank, every rank gets at least one). Each rank runs ONE forward of its local tokens
 [prompt shard ; owned responses] with explicit position ids (responses start at P). Embeddings,
 norms, MLPs and the head are token-local; only attention communicates, through an attention function
-registered with `transformers.AttentionInterface` ("augtree_cp") that the model is switched to for
-the call. Attention is computed as partials (O, L = log-sum-exp) in fp32 over key blocks, merged
+registered in transformers' attention-function registry (named "augtree_cp_<id>") that the model
+is switched to for the call. Attention is computed as partials (O, L = log-sum-exp) in fp32 over key
+blocks, merged
     L = logaddexp(L_a, L_b),  O = exp(L_a - L) O_a + exp(L_b - L) O_b
 and autograd runs backward through the merge. Visibility: a prompt query sees prompt keys at or
 before it; a response query sees the whole prompt and its own response causally.
@@ -28,26 +41,27 @@ Modes (chosen by `trainer.prompt_sharing.plan_replay`):
 Both modes need every rank to run backward through a loss that uses every tensor returned to it
 (zero weights are fine): the backward collectives must be called on all ranks in the same order.
 
-    logps = context_parallel_logprobs(model, prompt_ids, responses, mode="owners")
+    logps = ContextParallel("owners", group).logprobs(model, prompt_ids, responses)
     loss = sum(w[i] * lp.sum() for i, lp in enumerate(logps) if lp is not None); loss.backward()
     # parameter gradients are partial per rank: all_reduce(SUM) them (DDP does this) for the total
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from algorithms import losses
-from models.anatomy import output_head, unwrap
+from models.anatomy import causal_lm, output_head
 from trainer.prompt_sharing import _chunk, _features
 
-ATTN_NAME = "augtree_cp"
+ATTN_NAME = "augtree_cp"  # prefix of the names the attention function is registered under, one per call
 CP_MODES = ("lanes", "owners")
 _NEG = -1e30  # masked score (finite: fully masked blocks stay NaN-free and get zero merge weight)
 
@@ -196,25 +210,23 @@ def _visible(q_meta: tuple[Tensor, Tensor], k_meta: tuple[Tensor, Tensor]) -> Te
 
 
 @dataclass
-class _CPState:
+class _CPCall:
+    """What the attention function needs during one replay call: passed to it explicitly (bound
+    when it is registered), never through module state."""
+
     mode: str
     group: object
     rank: int
     layout: CPLayout
 
 
-_STATE: Optional[_CPState] = None
-
-
 def _rep(x: Tensor, n: int) -> Tensor:  # (Hkv, N, D) -> (Hkv * n, N, D), kv head j serving q heads j*n..
     return x if n == 1 else x.repeat_interleave(n, dim=0)
 
 
-def _cp_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
-                  scaling: Optional[float] = None, **kwargs):
-    st = _STATE
-    if st is None:
-        raise RuntimeError(f"attention '{ATTN_NAME}' used outside context_parallel_logprobs")
+def _cp_attention(st: _CPCall, module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
+                  dropout: float = 0.0, scaling: Optional[float] = None, **kwargs):
+    """The attention function (transformers' signature after the bound `st`) of one replay call."""
     if query.shape[0] != 1:
         raise ValueError("context-parallel replay runs one local sequence per rank")
     q, k, v = query[0], key[0], value[0]  # (H, N, D), (Hkv, N, D)
@@ -227,10 +239,7 @@ def _cp_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_m
     return out.to(query.dtype).transpose(0, 1)[None], None
 
 
-AttentionInterface.register(ATTN_NAME, _cp_attention)
-
-
-def _lanes_attention(st: _CPState, q, k, v, n_rep, scale):
+def _lanes_attention(st: _CPCall, q, k, v, n_rep, scale):
     lay, r, W = st.layout, st.rank, st.layout.world
     q_meta = lay.meta(r)
     acc = _partial(q, _rep(k, n_rep), _rep(v, n_rep), _visible(q_meta, q_meta), scale)
@@ -249,7 +258,7 @@ def _lanes_attention(st: _CPState, q, k, v, n_rep, scale):
     return acc
 
 
-def _owners_attention(st: _CPState, q, k, v, n_rep, scale):
+def _owners_attention(st: _CPCall, q, k, v, n_rep, scale):
     lay, r, W = st.layout, st.rank, st.layout.world
     H, N, D = q.shape
     Hkv = k.shape[0]
@@ -310,56 +319,73 @@ def _tie(x: Tensor, *others: Tensor) -> Tensor:
 # --- public API -----------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _cp_attention_active(model, state: _CPState):
-    global _STATE
-    config = unwrap(model).config
-    old = config._attn_implementation
-    config._attn_implementation = ATTN_NAME
-    _STATE = state
-    try:
-        yield
-    finally:
-        _STATE = None
-        config._attn_implementation = old
+class ContextParallel:
+    """AugTree context-parallel replay over the ranks of `group` (default: the world) in `mode`
+    ("lanes" or "owners", see the module docstring; `trainer.prompt_sharing.plan_replay` chooses).
+    Holds no per-call state: one object serves any number of groups and models."""
 
+    def __init__(self, mode: str, group=None):
+        if mode not in CP_MODES:
+            raise ValueError(f"mode={mode} is not one of {CP_MODES}")
+        self.mode, self.group = mode, group
 
-def context_parallel_logprobs(model, prompt_ids: Tensor, responses: list[Tensor], mode: str, group=None,
-                              temperature: float = 1.0, chunk: int = 0) -> list[Optional[Tensor]]:
-    """Per response i: (len_i,) log-probs of its tokens under `model` (the first predicted by the last
-    prompt position), with gradients, computed context-parallel over the ranks of `group` (default:
-    the world). Every rank passes the same prompt_ids (P,) and responses; the result list has one
-    entry per response, a tensor on the rank that owns it (`cp_layout(...).owner[i]`) and None on the
-    others. Needs P >= W and G >= W. Parameter gradients after backward are this rank's share; their
-    sum over ranks is the gradient of the whole group's loss. One forward call of `model` per rank.
-    """
-    if mode not in CP_MODES:
-        raise ValueError(f"mode={mode} is not one of {CP_MODES}")
-    W, r = dist.get_world_size(group), dist.get_rank(group)
-    P = prompt_ids.numel()
-    lay = cp_layout(P, [x.numel() for x in responses], W)
-    s, e = lay.bounds[r]
-    device = prompt_ids.device
-    ids = torch.cat([prompt_ids[s:e]] + [responses[i].to(device) for i in lay.local[r]])
-    _, pos = lay.meta(r)
-    head = output_head(model)
-    with _cp_attention_active(model, _CPState(mode, group, r, lay)):
-        hidden = _features(model, ids[None], None, pos.to(device)[None], head)[0]  # (N, D)
-    # the last prompt position (on rank W-1) predicts every response's first token: send it to all
-    src = W - 1
-    mine = hidden[e - s - 1: e - s] if r == src else hidden[:0]
-    send = [1 if (r == src and j != src) else 0 for j in range(W)]
-    recv = [1 if (j == src and r != src) else 0 for j in range(W)]
-    h_last = torch.cat([mine, all_to_all(mine.expand(W - 1 if r == src else 0, -1), send, recv, group)])
-    feats, targets, offset = [], [], e - s
-    for i in lay.local[r]:
-        c = lay.response_lens[i]
-        feats += [h_last, hidden[offset: offset + c - 1]]
-        targets.append(responses[i].to(device))
-        offset += c
-    lp = losses.chunked_token_logprobs(torch.cat(feats), head, torch.cat(targets), temperature, _chunk(model, chunk))
-    lp = lp + 0.0 * hidden.sum()  # every local row in the graph, so backward collectives run on all ranks
-    out: list[Optional[Tensor]] = [None] * len(responses)
-    for i, part in zip(lay.local[r], lp.split([lay.response_lens[i] for i in lay.local[r]])):
-        out[i] = part
-    return out
+    def layout(self, prompt_len: int, response_lens: Sequence[int]) -> CPLayout:
+        """The placement of a group over this object's ranks (identical on every rank)."""
+        return cp_layout(prompt_len, response_lens, dist.get_world_size(self.group))
+
+    @contextlib.contextmanager
+    def attention(self, model, layout: CPLayout):
+        """Within the block, `model`'s attention layers run this replay's attention for `layout`
+        (this rank's local tokens, one sequence). The attention function, bound to this call, is
+        registered under a name of its own; on exit the model's attention implementation is set back
+        and the name dropped, also on error."""
+        call = _CPCall(self.mode, self.group, dist.get_rank(self.group), layout)
+        name = f"{ATTN_NAME}_{id(call):x}"
+        lm = causal_lm(model)
+        previous = lm.config._attn_implementation
+        ALL_ATTENTION_FUNCTIONS[name] = functools.partial(_cp_attention, call)
+        try:
+            lm.set_attn_implementation(name)
+            yield
+        finally:
+            lm.set_attn_implementation(previous)
+            del ALL_ATTENTION_FUNCTIONS[name]
+
+    def logprobs(self, model, prompt_ids: Tensor, responses: list[Tensor], temperature: float = 1.0,
+                 chunk: int = 0) -> list[Optional[Tensor]]:
+        """Per response i: (len_i,) log-probs of its tokens under `model` (the first predicted by the
+        last prompt position), with gradients, computed context-parallel over the ranks of the group.
+        Every rank passes the same prompt_ids (P,) and responses; the result list has one entry per
+        response, a tensor on the rank that owns it (`self.layout(...).owner[i]`) and None on the
+        others. Needs P >= W and G >= W. Parameter gradients after backward are this rank's share;
+        their sum over ranks is the gradient of the whole group's loss. One forward call of `model`
+        per rank."""
+        group = self.group
+        W, r = dist.get_world_size(group), dist.get_rank(group)
+        lay = self.layout(prompt_ids.numel(), [x.numel() for x in responses])
+        s, e = lay.bounds[r]
+        device = prompt_ids.device
+        ids = torch.cat([prompt_ids[s:e]] + [responses[i].to(device) for i in lay.local[r]])
+        _, pos = lay.meta(r)
+        head = output_head(model)
+        with self.attention(model, lay):
+            hidden = _features(model, ids[None], None, pos.to(device)[None], head)[0]  # (N, D)
+        # the last prompt position (on rank W-1) predicts every response's first token: send it to all
+        src = W - 1
+        mine = hidden[e - s - 1: e - s] if r == src else hidden[:0]
+        send = [1 if (r == src and j != src) else 0 for j in range(W)]
+        recv = [1 if (j == src and r != src) else 0 for j in range(W)]
+        h_last = torch.cat([mine, all_to_all(mine.expand(W - 1 if r == src else 0, -1), send, recv, group)])
+        feats, targets, offset = [], [], e - s
+        for i in lay.local[r]:
+            c = lay.response_lens[i]
+            feats += [h_last, hidden[offset: offset + c - 1]]
+            targets.append(responses[i].to(device))
+            offset += c
+        lp = losses.chunked_token_logprobs(torch.cat(feats), head, torch.cat(targets), temperature,
+                                           _chunk(model, chunk))
+        lp = lp + 0.0 * hidden.sum()  # every local row in the graph, so backward collectives run on all ranks
+        out: list[Optional[Tensor]] = [None] * len(responses)
+        for i, part in zip(lay.local[r], lp.split([lay.response_lens[i] for i in lay.local[r]])):
+            out[i] = part
+        return out

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from algorithms import losses
-from models.anatomy import decoder as _decoder, output_head, unwrap
+from models.anatomy import capture_final_hidden, output_head, unwrap
 
 MASKED_IMPLS = ("sdpa", "eager")  # attention implementations that take a custom 4-D mask as given
 
@@ -117,16 +117,8 @@ def _features(model, input_ids: Tensor, mask, position_ids: Optional[Tensor], he
         kwargs["position_ids"] = position_ids
     if head is None:
         return model(**kwargs).logits
-    store: dict[str, Tensor] = {}
-
-    def hook(module, args, out):
-        store["hidden"] = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-
-    handle = _decoder(model).register_forward_hook(hook)
-    try:
+    with capture_final_hidden(model) as store:
         model(**kwargs, logits_to_keep=1)
-    finally:
-        handle.remove()
     return store["hidden"]
 
 

@@ -124,11 +124,7 @@ def install_activations(model, t):
         return None
     from trainer.activations import ActivationConfig, install
 
-    return install(model, ActivationConfig(
-        mode=t.activations, memory_budget=t.activation_memory_budget, risk_budget=t.activation_risk_budget,
-        compress=t.activation_compress, group_size=t.activation_group_size,
-        stochastic_rounding=t.activation_stochastic_rounding, replan_tolerance=t.activation_replan_tolerance,
-        profile_steps=t.activation_profile_steps, optimizer_bytes_per_param=t.activation_optimizer_bytes_per_param))
+    return install(model, ActivationConfig.from_trainer(t))
 
 
 def _per_rank_batch(batch_size: int, world_size: int) -> int:

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
-from trainer.context_parallel import context_parallel_logprobs  # noqa: E402
+from trainer.context_parallel import ContextParallel  # noqa: E402
 from trainer.prompt_sharing import flattened_logprobs  # noqa: E402
 
 TEMPERATURE = 0.8
@@ -60,7 +60,7 @@ def main() -> None:
         ref_loss, ref_grads = reference(model, prompt, responses, weights)
         for mode in ("lanes", "owners"):
             model.zero_grad()
-            lps = context_parallel_logprobs(model, prompt, responses, mode, temperature=TEMPERATURE)
+            lps = ContextParallel(mode).logprobs(model, prompt, responses, temperature=TEMPERATURE)
             loss = sum(w * lp.sum() for w, lp in zip(weights, lps) if lp is not None)
             loss.backward()
             total = torch.tensor([loss.item()])

@@ -1,15 +1,22 @@
-"""HiLoRe activation management: exactness of recompute, int8 error bounds, compression, the planner."""
+"""HiLoRe activation management (trainer/activations/manager.py): exactness of recompute, compression
+of saved tensors, profiling and re-planning, composition with other layer wrappers; and the settings
+(trainer/activations/options.py): validation, the trainer.activation* keys, the torch-free config import.
+The quantiser and the planner have their own files (test_activations_quantize.py, _planner.py)."""
 from __future__ import annotations
 
+import dataclasses
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from models.layer_wrap import wrap_layers, wrapped_names
 from models.loading import TinySpec, build_tiny
-from trainer.activations import (COMPRESS, FULL, RECOMPUTE, ActivationConfig, Profile, Quantizer, UnitProfile,
-                                 estimate, install, plan_units)
+from tests.conftest import ROOT
+from trainer.activations import COMPRESS, RECOMPUTE, ActivationConfig, install
 
 SPEC = TinySpec(hidden_size=64, num_layers=3, num_heads=4, intermediate_size=128)
 
@@ -69,41 +76,6 @@ def test_recompute_with_dropout_preserves_rng():
     for a, b in zip(g0, g1):
         assert torch.allclose(a, b, atol=1e-6)
     mgr.remove()
-
-
-def test_int8_round_trip_error_bound_by_hand():
-    q = Quantizer("int8", group_size=4)
-    x = torch.tensor([[0.5, -1.27, 0.3, 0.001], [10.0, 2.0, -3.3, 0.0]])
-    p = q.pack(x)
-    scale = torch.tensor([1.27 / 127, 10.0 / 127])
-    assert torch.allclose(p.scale, scale)
-    assert p.scale.dtype == torch.float32 and p.codes.dtype == torch.int8
-    assert p.codes.tolist() == [[50, -127, 30, 0], [127, 25, -42, 0]]  # round(x / scale)
-    y = q.unpack(p)
-    assert y.shape == x.shape and y.dtype == x.dtype
-    assert ((y - x).abs() <= scale[:, None] / 2 + 1e-7).all()
-    # a length that is not a multiple of the group size (zero-padded tail), bf16 round trip
-    z = torch.randn(3, 7, dtype=torch.bfloat16)
-    zz = Quantizer("int8", group_size=64).unpack(Quantizer("int8", group_size=64).pack(z))
-    assert zz.dtype == torch.bfloat16 and zz.shape == z.shape
-    assert (zz.float() - z.float()).abs().max() <= z.float().abs().max() / 127 / 2 + 1e-2
-
-
-def test_stochastic_rounding_unbiased_and_fp8():
-    x = torch.full((64 * 200,), 0.3)
-    x[::64] = 1.27  # amax per group -> scale 0.01, 0.3 / 0.01 = 30 exactly; use 0.305 to be between codes
-    x[1::64] = 0.305
-    q = Quantizer("int8", group_size=64, stochastic=True, seed=0)
-    y = q.unpack(q.pack(x))
-    vals = y[1::64]
-    assert set(torch.round(vals / 0.01).tolist()) <= {30.0, 31.0}
-    assert abs(vals.mean().item() - 0.305) < 0.002
-    if hasattr(torch, "float8_e4m3fn"):
-        xr = torch.randn(4096)
-        for stochastic in (False, True):
-            f8 = Quantizer("fp8", group_size=64, stochastic=stochastic)
-            rel = ((f8.unpack(f8.pack(xr)) - xr).norm() / xr.norm()).item()
-            assert rel < 0.05
 
 
 def test_compress_all_close_but_not_exact():
@@ -179,61 +151,6 @@ def test_config_validation(key, kwargs, match):
         ActivationConfig(**kwargs).validate()
 
 
-# ------------------------------------------------------------------------------------------- planner
-
-def _synthetic(n=6, grads=0.0, head=0.0, err=0.006):
-    """Equal units: input 1 KB/token, 28 KB saved (input included), 8 KB compressed."""
-    u = [UnitProfile(in_bytes=1e3, full_bytes=28e3, comp_bytes=8e3, max_tensor_bytes=4e3, input_saved=True,
-                     fwd_s=1e-6, comp_s=0.4e-6, err=err, grad_bytes=grads) for _ in range(n)]
-    return Profile(u, head_bytes_per_token=head)
-
-
-def test_planner_rules():
-    prof, tokens = _synthetic(), 1000
-    # huge memory budget, zero risk budget: everything full
-    assert plan_units(prof, tokens, 1.0, 100.0, 0.0).plan == [FULL] * 6
-    # budget 1.0, zero risk: the checkpointing plan, except that the unit processed first in backward
-    # (the last one) costs no peak when kept in full -- checkpointing it is pure overhead
-    est = plan_units(prof, tokens, 1.0, 1.0, 0.0)
-    assert est.plan == [RECOMPUTE] * 5 + [FULL]
-    assert est.ratio <= 1.0 + 1e-9 and est.risk == 0.0
-    # the rule for zero exposure: compression carries no risk, so no unit is recomputed when
-    # compressing it fits the memory budget and (de)compression is cheaper than recompute
-    all_c = estimate(prof, [COMPRESS] * 6, tokens, 0.0)
-    est0 = plan_units(prof, tokens, 0.0, all_c.ratio, 0.0)
-    assert RECOMPUTE not in est0.plan and est0.risk == 0.0
-    assert est0.plan.count(COMPRESS) >= 1
-    # same budget with exposure and no risk budget: compression is off, recompute remains
-    est1 = plan_units(prof, tokens, 1.0, all_c.ratio, 0.0)
-    assert COMPRESS not in est1.plan and RECOMPUTE in est1.plan
-    # the risk budget caps the compressed units: err * E per unit
-    est2 = plan_units(prof, tokens, 1.0, all_c.ratio, 0.0061 * 2)
-    assert est2.plan.count(COMPRESS) <= 2 and est2.risk <= 0.0061 * 2
-
-
-@pytest.mark.parametrize("budget", [1.0, 1.1, 1.3, 2.0])
-@pytest.mark.parametrize("grads,head", [(0.0, 0.0), (5e6, 2e3)])
-def test_planned_peak_within_budget(budget, grads, head):
-    prof = _synthetic(n=8, grads=grads, head=head)
-    for tokens in (100, 1000, 10000):
-        for exposure in (0.0, 0.5, 1.0):
-            est = plan_units(prof, tokens, exposure, budget, 0.05)
-            assert est.ratio <= budget + 1e-9
-            assert est.risk <= 0.05 + 1e-12
-            assert est.time_s <= est.checkpoint_time_s
-
-
-def test_longer_microbatch_rescales_plan():
-    # parameter gradients are a fixed cost: short micro-batches have room to keep units, long ones not
-    prof = _synthetic(n=8, grads=1e7)
-    short, long = plan_units(prof, 500, 1.0, 1.1, 0.05), plan_units(prof, 50_000, 1.0, 1.1, 0.05)
-    assert short.ratio <= 1.1 + 1e-9 and long.ratio <= 1.1 + 1e-9
-    assert short.plan != long.plan
-    assert short.plan.count(RECOMPUTE) < long.plan.count(RECOMPUTE)
-    # the short plan applied to the long micro-batch would break the budget: re-planning is needed
-    assert estimate(prof, short.plan, 50_000, 1.0).ratio > 1.1
-
-
 def test_hilore_profiles_plans_and_replans():
     model = _model()
     ids = _ids(b=2, t=48)
@@ -298,24 +215,6 @@ def test_saved_tensors_with_inf_are_kept_exactly():
     mgr.remove()
 
 
-def test_gradient_scenarios_hand_computed():
-    """2 units, 1000 tokens: input 1 MB, saved 28 MB (27 MB recompute transient), compressed 8 MB
-    (4 MB dequantised transient), 10 MB of gradients per unit.
-    Checkpointing: fresh max(29 + 10, 28 + 20) = 48 MB; accumulated 29 + 20 = 49 MB.
-    [compress, recompute]: fresh max(9 + 27 + 10, 8 + 4 + 20) = 46 MB; accumulated 9 + 27 + 20 = 56 MB."""
-    from trainer.activations import ACCUMULATED, FRESH
-
-    prof = _synthetic(n=2, grads=10e6)
-    fresh = estimate(prof, [COMPRESS, RECOMPUTE], 1000, 0.0, (FRESH,))
-    accumulated = estimate(prof, [COMPRESS, RECOMPUTE], 1000, 0.0, (ACCUMULATED,))
-    assert (fresh.peak, fresh.checkpoint_peak) == pytest.approx((46e6, 48e6))
-    assert (accumulated.peak, accumulated.checkpoint_peak) == pytest.approx((56e6, 49e6))
-    # budget 1.10: keeping the last unit in full fits while no gradient is held yet ([C, F]: fresh
-    # max(36 + 10, 8 + 4 + 20) = 46 MB), not once they are all held (36 + 20 = 56 MB > 1.1 x 49)
-    assert plan_units(prof, 1000, 0.0, 1.10, 1.0, (FRESH,)).plan == [COMPRESS, FULL]
-    assert plan_units(prof, 1000, 0.0, 1.10, 1.0, (ACCUMULATED,)).plan == [COMPRESS, COMPRESS]
-
-
 def test_manager_plans_for_the_gradients_it_finds():
     from trainer.activations import ACCUMULATED, FRESH
 
@@ -330,3 +229,79 @@ def test_manager_plans_for_the_gradients_it_finds():
     model(input_ids=ids).logits.sum().backward()
     assert mgr._scenario == ACCUMULATED
     mgr.remove()
+
+
+def test_manager_composes_with_another_layer_wrapper():
+    """The manager is one link of the layers' wrapper chain: a wrapper installed before it keeps
+    running (inside it, so once per forward and again in each recompute), checkpointing stays exact,
+    and taking the manager off leaves the other wrapper in place."""
+    model, ids = _model(), _ids()
+    loss0, g0 = _step(model, ids)
+    runs = []
+
+    def count(i, inner, *args, **kwargs):
+        runs.append(i)
+        return inner(*args, **kwargs)
+
+    other = wrap_layers(model, "count", count)
+    mgr = install(model, ActivationConfig(mode="checkpoint"))
+    assert wrapped_names(model.model.layers[0]) == ["trainer.activations", "count"]
+    loss1, g1 = _step(model, ids, mgr)
+    assert torch.allclose(loss0, loss1, atol=1e-6)
+    for a, b in zip(g0, g1):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert runs == [0, 1, 2] + [2, 1, 0]  # forward, then each unit recomputed in backward
+    mgr.remove()
+    assert wrapped_names(model.model.layers[0]) == ["count"]
+    runs.clear()
+    _step(model, ids)
+    assert runs == [0, 1, 2]
+    other.remove()
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+
+
+def test_config_import_loads_no_torch():
+    """trainer/config.py validates before torch is imported: the settings it validates the
+    trainer.activation* keys with (options) and the planner import no torch."""
+    code = ("import sys, trainer.config, trainer.activations, trainer.activations.planner; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_trainer_keys_map_by_name_with_defaults_declared_once():
+    from trainer.activations.options import trainer_key
+    from trainer.config import TrainerConfig
+
+    t = TrainerConfig()
+    keys = [f.name for f in dataclasses.fields(t) if f.name.startswith("activation")]
+    defaults = ActivationConfig()
+    assert ActivationConfig.from_trainer(t) == defaults  # TrainerConfig's defaults are ActivationConfig's
+    fields = {f.name for f in dataclasses.fields(ActivationConfig)}
+    for key in keys:  # each trainer key reaches its field, and only it
+        name = next(n for n in fields if trainer_key(n) == key)
+        value = {"activations": "hilore", "activation_compress": "fp8",
+                 "activation_stochastic_rounding": True}.get(key, 3)
+        got = ActivationConfig.from_trainer(dataclasses.replace(t, **{key: value}))
+        assert got == dataclasses.replace(defaults, **{name: value}), key
+    assert len(keys) == 9
+
+
+def test_trainer_config_validation_is_activation_config_validation():
+    from trainer.config import ConfigError, TrainConfig, TrainerConfig, validate
+
+    for key, value, message in [
+        ("activation_group_size", 0, "trainer.activation_group_size=0 must be an integer >= 1"),
+        ("activation_profile_steps", 0, "trainer.activation_profile_steps=0 must be an integer >= 1"),
+        ("activation_replan_tolerance", -1.0, "trainer.activation_replan_tolerance=-1.0 must be >= 0"),
+        ("activation_risk_budget", -1.0, "trainer.activation_risk_budget=-1.0 must be >= 0"),
+        ("activation_optimizer_bytes_per_param", -1.0,
+         "trainer.activation_optimizer_bytes_per_param=-1.0 must be >= 0"),
+        ("activations", "fast", "trainer.activations=fast is not one of none, checkpoint, hilore"),
+    ]:
+        cfg = TrainConfig(trainer=TrainerConfig(**{key: value}))
+        with pytest.raises(ConfigError) as err:
+            validate(cfg)
+        assert str(err.value) == message
+        with pytest.raises(ValueError) as err2:
+            ActivationConfig.from_trainer(cfg.trainer).validate()
+        assert str(err2.value) == message  # the same check, the same words

@@ -37,3 +37,59 @@ def test_layout_every_rank_has_prompt_and_response():
     assert sorted(i for r in range(3) for i in lay.local[r]) == list(range(5))
     with pytest.raises(ValueError):
         cp_layout(10, [5], 2)
+
+
+def test_import_registers_nothing():
+    """The attention function is registered per call, not when the module is imported."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import trainer.context_parallel as cp
+
+    assert not any(name.startswith(cp.ATTN_NAME) for name in ALL_ATTENTION_FUNCTIONS)
+    assert not hasattr(cp, "_STATE")
+
+
+@pytest.fixture
+def one_rank_world(tmp_path):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_equals_flattened_and_restores_the_model(one_rank_world):
+    """On one rank every mode is the flattened computation; the model's attention implementation
+    and the attention registry are as before after each call, and after a failing call."""
+    import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from tests.trainer.cp_worker import TEMPERATURE, build_model, case, reference
+    from trainer.context_parallel import ATTN_NAME, ContextParallel
+
+    model = build_model()
+    impl = model.config._attn_implementation
+    registered = set(ALL_ATTENTION_FUNCTIONS)
+    prompt, responses, weights = case(9, [4, 6])
+    ref_loss, ref_grads = reference(model, prompt, responses, weights)
+    for mode in ("lanes", "owners"):
+        model.zero_grad()
+        lps = ContextParallel(mode).logprobs(model, prompt, responses, temperature=TEMPERATURE)
+        loss = sum(w * lp.sum() for w, lp in zip(weights, lps))
+        loss.backward()
+        assert abs(loss.item() - ref_loss) <= TOL * max(1.0, abs(ref_loss))
+        for n, p in model.named_parameters():
+            assert torch.allclose(p.grad, ref_grads[n], rtol=TOL, atol=TOL * ref_grads[n].abs().max().item()), n
+        assert model.config._attn_implementation == impl and set(ALL_ATTENTION_FUNCTIONS) == registered
+    cp = ContextParallel("lanes")
+    with pytest.raises(RuntimeError, match="boom"):
+        with cp.attention(model, cp.layout(9, [4, 6])):
+            assert model.config._attn_implementation.startswith(ATTN_NAME)
+            raise RuntimeError("boom")
+    assert model.config._attn_implementation == impl and set(ALL_ATTENTION_FUNCTIONS) == registered
+    with pytest.raises(ValueError, match="mode=ring"):
+        ContextParallel("ring")
