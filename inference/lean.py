@@ -363,7 +363,8 @@ class KVCache:
     query may see (left pads, rejected drafts). Rows [0, n) of the batch axis are the live rows.
     The forward only goes through `write` and `read`, so whatever fills slots [0, s) before a
     forward that starts at slot s (a prefix's K/V computed by someone else, say) is attended to
-    exactly as if that forward had written it.
+    exactly as if that forward had written it. (Such a forward over T > 1 tokens needs an explicit
+    mask: with mask None, SDPA's is_causal aligns the query block to key 0, right only at slot 0.)
     """
 
     def __init__(self, dims: Dims, batch: int, max_len: int, dtype: torch.dtype, device: torch.device):
