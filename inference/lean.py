@@ -448,7 +448,7 @@ def run_layers(x, layers: Iterable[int], weights: Weights, dims: Dims, blocks: B
     return x
 
 
-def rope_rows(rope: Rope, positions: torch.Tensor, dtype: torch.dtype):
+def rope_at(rope: Rope, positions: torch.Tensor, dtype: torch.dtype):
     """RoPE tables gathered at positions (n, T): cos, sin_signed, each (n, T, 1, D) in `dtype`."""
     return (rope.cos[positions].unsqueeze(2).to(dtype), rope.sin_signed[positions].unsqueeze(2).to(dtype))
 
@@ -461,7 +461,7 @@ def forward(weights: Weights, dims: Dims, blocks: Blocks, rope: Rope, ids, posit
     Returns logits of the LAST position, in the model dtype: (n, V).
     """
     x = F.embedding(ids, weights.embed)  # (n, T, C)
-    rows = rope_rows(rope, positions, x.dtype)
+    rows = rope_at(rope, positions, x.dtype)
     x = run_layers(x, range(len(weights.layers)), weights, dims, blocks, rows, cache, slot, mask, route)
     last = rms_norm(x[:, -1], weights.final_norm, dims.eps)  # (n, C)
     return weights.lm_head(last)  # (n, V)
@@ -529,7 +529,7 @@ class LeanBackend:
     def run(self, x: torch.Tensor, positions: torch.Tensor, layers: Iterable[int], start: int, mask) -> torch.Tensor:
         """Run `layers` on hidden states x (n, T, C) at positions (n, T), written at slots
         [start, start + T), under `mask` (n, 1, T, start + T) -> hidden (n, T, C)."""
-        rows = rope_rows(self.rope, positions, x.dtype)
+        rows = rope_at(self.rope, positions, x.dtype)
         return run_layers(x, layers, self.weights, self.dims, self.blocks, rows, self.cache, start, mask,
                           self.route)
 

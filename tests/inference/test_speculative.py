@@ -9,8 +9,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from inference import Engine, SamplingParams
-from inference.lean import LeanBackend, read_dims, rope_tables
 from inference.engine import left_pad, token_loop
+from inference.lean import LeanBackend, read_dims, rope_tables
 from inference.speculative import (
     SpeculativeDecoder, SpeculativeMode, accept_greedy, accept_sampled, target_probs,
 )
