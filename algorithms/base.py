@@ -140,7 +140,8 @@ class RolloutContext:
 
     def __init__(self, task: Any, tokenizer: Any, generator: torch.Generator, device: torch.device,
                  max_new_tokens: int, policy_fn: Optional[Callable[[], torch.nn.Module]] = None,
-                 world: Any = None):
+                 world: Any = None, engine_config: Any = None):
+        self.engine_config = engine_config  # inference.EngineConfig for `engine`; None = its defaults
         self.world = world  # trainer.distributed.World, for batch-wide statistics (None: this process only)
         self.task = task
         self.tokenizer = tokenizer
@@ -160,7 +161,7 @@ class RolloutContext:
     def engine(self) -> Any:
         from inference import Engine
 
-        return Engine(self.policy)
+        return Engine(self.policy, self.engine_config)
 
 
 @runtime_checkable

@@ -44,9 +44,7 @@ draft_len, confidence, adaptive) for the runtime.
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
@@ -58,13 +56,14 @@ from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms, Tra
 from algorithms.rollouts import completion_mask, encode, sample
 from algorithms.scoring import detached_head, teacher_hidden
 from algorithms.teacher import SelfTeacher
+from inference.artifacts import DRAFTER_DEFAULTS as DRAFTER, SEED_DRAFTER_FILE, DrafterSpec, write_drafter_spec
 from models.anatomy import causal_lm, output_head
 from models.export import export_model
 
 log = logging.getLogger(__name__)
 
 DATA_SOURCES = ("solutions", "self")
-DRAFTER_FILE = "seed_drafter.json"
+DRAFTER_FILE = SEED_DRAFTER_FILE  # name and defaults are defined once, in inference/artifacts.py
 SELF_DATA_WARNING = (
     "SEED with algo.data_source=self and algo.self_anchor=false fine-tunes the whole model with CE on its own "
     "completions; measured on the tiny 12-layer benchmark model at lr 3e-4 this destroyed held-out accuracy "
@@ -74,17 +73,17 @@ SELF_DATA_WARNING = (
 @dataclass
 class SEEDConfig:
     name: str = "seed"
-    decoder_layers: int = 2  # k: the top k layers draft (1 <= k < the model's layer count)
-    block_size: int = 4  # B: tokens per training block (the draft length the decoder pass mimics)
+    decoder_layers: int = DRAFTER.decoder_layers  # k: the top k layers draft (1 <= k < the model's layer count)
+    block_size: int = DRAFTER.block_size  # B: tokens per training block (the draft length the decoder pass mimics)
     lam: float = 1.0  # weight of the decoder loss: (L_full + lam L_dec) / (1 + lam)
     data_source: str = "solutions"  # solutions | self
     self_temperature: float = 0.0  # data_source=self: sampling temperature (0 = greedy)
     self_anchor: bool = True  # data_source=self: L_full = KL(p_start || p_model), not CE on own tokens
     # The decoder pass calls the top layers' modules directly, outside FSDP2's unshard hooks.
     traits: ClassVar[Traits] = Traits(fsdp=False)
-    draft_len: int = 4  # runtime: max drafted tokens per verify (written to seed_drafter.json, used in eval)
-    confidence: float = 0.7  # runtime: stop drafting when the drafter's top probability falls below this
-    adaptive: bool = True  # runtime: confidence-based draft length; False = always draft_len drafts
+    draft_len: int = DRAFTER.draft_len  # runtime: max drafted tokens per verify (written to seed_drafter.json, used in eval)
+    confidence: float = DRAFTER.confidence  # runtime: stop drafting when the drafter's top probability falls below this
+    adaptive: bool = DRAFTER.adaptive  # runtime: confidence-based draft length; False = always draft_len drafts
     seed: int = 0
 
     def validate(self) -> None:
@@ -370,8 +369,7 @@ class SEED:
 
     def export(self, model: nn.Module, tokenizer: Any, out_dir: str) -> None:
         export_model(model, tokenizer, out_dir, self.name)
-        with open(os.path.join(out_dir, DRAFTER_FILE), "w") as fh:
-            json.dump(self.drafter_spec(), fh, indent=2)
+        write_drafter_spec(out_dir, DrafterSpec(**self.drafter_spec()))
 
     def state_dict(self) -> dict:
         return {"reference": self.reference.state_dict()} if self.anchored else {}

@@ -27,6 +27,7 @@ training run's own evals. One thread; last line JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import copy
 import hashlib
 import json
@@ -164,18 +165,19 @@ def main() -> None:
     from trainer.config import load_config
     from trainer.distributed import World
     from trainer.setup import build_task_from
-    from trainer.warm_start import cache_path, tiny_model
+    from trainer.warm_start import ensure
 
     small_cfg = load_config(["+algo=sft", "model=tiny"], config_schemas())
-    tiny_model(small_cfg.model, World(), 0)  # the default 4-layer warm start (built once, cached)
-    # The external drafter: the same recipe from another seed, so it is not the target's own source.
-    tiny_model(small_cfg.model, World(), args.drafter_seed)
+    target_path = ensure(small_cfg.model, World())  # the default 4-layer warm start (built once, cached)
+    # The external drafter: the same recipe from another model seed, so it is not the target's own source.
+    drafter_model = dataclasses.replace(small_cfg.model, seed=args.drafter_seed)
+    drafter_path = ensure(drafter_model, World())
     if args.target == "upscaled" and not os.path.exists(upscaled_dir(args)):
         os.makedirs(args.workdir, exist_ok=True)
-        build_upscaled(cache_path(small_cfg.model, 0), args.layers, upscaled_dir(args))
+        build_upscaled(target_path, args.layers, upscaled_dir(args))
     deep_cfg = load_config(["+algo=sft", *deep_overrides(args)], config_schemas())
     if args.target == "warm":
-        tiny_model(deep_cfg.model, World(), 0)  # the deep warm start (built once, cached)
+        ensure(deep_cfg.model, World())  # the deep warm start (built once, cached)
     if args.model:
         path, evals = args.model, {}
     else:
@@ -185,7 +187,7 @@ def main() -> None:
               f"mean accepted length {b.get('seed/mean_accepted', float('nan')):.2f} -> "
               f"{a.get('seed/mean_accepted', float('nan')):.2f}", flush=True)
     model, tok = load_pretrained(path)
-    small, _ = load_pretrained(cache_path(small_cfg.model, args.drafter_seed))
+    small, _ = load_pretrained(drafter_path)
     for m in (model, small):
         m.eval()
     task = build_task_from(deep_cfg.data)

@@ -1,27 +1,34 @@
 """Command line generation: `python -m inference DIR --prompt TEXT [options]`.
 
-Loads a local Hugging Face causal LM and its tokenizer from DIR (e.g. a run's `final/`), completes
-the prompt with the Engine, stopping at the tokenizer's eos token, and prints the completion.
+Loads a causal LM and its tokenizer through `models.loading` from DIR (e.g. a run's `final/`;
+a PEFT adapter dir whose adapter_config.json names its base also works, merged into the base),
+completes the prompt with the Engine, stopping at the tokenizer's eos token, and prints the
+completion. `--adapter ADAPTER_DIR` serves an exported LoRA adapter on top of DIR as its base.
+Models load in the dtype they were saved in (what `from_pretrained` does by default).
 
     python -m inference runs/x/final --prompt "12+7=" --max-new-tokens 32            # greedy
+    python -m inference BASE --adapter runs/lora/final --prompt "12+7="            # LoRA export
+    python -m inference runs/lora/final --prompt "12+7="                  # the same, base from the adapter
     python -m inference runs/x/final --prompt "12+7=" --temperature 0.8 --top-p 0.95 --seed 1
     python -m inference runs/x/final --prompt "12+7=" --speculative seed        # SEED self-drafting
     python -m inference runs/x/final --prompt "12+7=" --speculative external --drafter runs/small/final
 
 With --speculative the completion is followed by a stderr line with the acceptance length (mean
-tokens per verify forward) and tokens/s. `--speculative seed` reads DIR/seed_drafter.json when
-present (else the defaults); `--drafter DIR2` alone implies `--speculative external`.
+tokens per verify forward) and tokens/s. `--speculative seed` reads seed_drafter.json from the
+--adapter dir or else DIR when present (else the defaults); `--drafter DIR2` (loaded the same way
+as DIR) alone implies `--speculative external`.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 
-# Flags whose fast paths later issues add; they are accepted now so the CLI surface is stable.
-NOT_YET = {"adapter": "loading a PEFT adapter"}
-EXIT_UNSUPPORTED = 2
+EXIT_USAGE = 2
+ADAPTER_CONFIG = "adapter_config.json"  # what marks a PEFT adapter dir
+
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -42,7 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="stop drafting after a draft whose top probability is below this")
     parser.add_argument("--fixed-draft", action="store_true",
                         help="always draft --draft-len tokens (no confidence-based early stop)")
-    parser.add_argument("--adapter", metavar="DIR", help="PEFT adapter dir (not supported yet)")
+    parser.add_argument("--adapter", metavar="DIR",
+                        help="PEFT (LoRA) adapter dir to apply to the model in model_dir and merge")
     return parser.parse_args(argv)
 
 
@@ -52,22 +60,18 @@ def main(argv: list[str] | None = None) -> int:
         args.speculative = "external"
     if args.speculative == "external" and not args.drafter:
         print("error: --speculative external needs --drafter DIR", file=sys.stderr)
-        return EXIT_UNSUPPORTED
+        return EXIT_USAGE
     if args.speculative == "seed" and args.drafter:
         print("error: --drafter is only used with --speculative external", file=sys.stderr)
-        return EXIT_UNSUPPORTED
-    for flag, what in NOT_YET.items():
-        if getattr(args, flag):
-            print(f"error: --{flag} ({what}) is not supported yet", file=sys.stderr)
-            return EXIT_UNSUPPORTED
+        return EXIT_USAGE
+    if args.adapter and not os.path.exists(os.path.join(args.adapter, ADAPTER_CONFIG)):
+        print(f"error: --adapter {args.adapter} is not a PEFT adapter dir (no {ADAPTER_CONFIG})", file=sys.stderr)
+        return EXIT_USAGE
     # Imported after argument checks so `--help` and flag errors answer instantly.
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from inference.engine import Engine
     from inference.sampling import SamplingParams
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir).to(args.device).eval()
+    model, tokenizer = load_model(args.model_dir, args.adapter, args.device)
     eos = tokenizer.eos_token_id
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -83,11 +87,48 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def load_model(model_dir: str, adapter: str | None, device: str):
+    """(model in eval mode on `device`, tokenizer) through models.loading: model_dir may itself be
+    an adapter dir (load_pretrained merges it into its base); `adapter` is applied on top and
+    merged, so the lean decoder runs the result. The tokenizer is model_dir's."""
+    from models.loading import load_pretrained
+
+    model, tokenizer = load_pretrained(model_dir, saved_dtype(model_dir))
+    if adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    return model.to(device).eval(), tokenizer
+
+
+def saved_dtype(path: str) -> str:
+    """Name of the dtype the checkpoint at `path` (an adapter dir: its base) was saved in, as
+    models.loading spells it; float32 when the config names none it knows."""
+    from transformers import AutoConfig
+
+    from models.loading import DTYPES
+
+    if os.path.exists(os.path.join(path, ADAPTER_CONFIG)):
+        from peft import PeftConfig
+
+        path = PeftConfig.from_pretrained(path).base_model_name_or_path
+    dtype = getattr(AutoConfig.from_pretrained(path), "dtype", None)
+    name = str(dtype).removeprefix("torch.")
+    return name if name in DTYPES else "float32"
+
+
+def _seed_dir(args) -> str:
+    """Where seed_drafter.json is read: the adapter dir when it has one, else the model dir."""
+    from inference.artifacts import SEED_DRAFTER_FILE
+
+    if args.adapter and os.path.exists(os.path.join(args.adapter, SEED_DRAFTER_FILE)):
+        return args.adapter
+    return args.model_dir
+
+
 def _speculative(args, model, prompt_ids, params, generator):
     """Generate with speculative decoding; report acceptance length and tokens/s on stderr."""
     import time
-
-    from transformers import AutoModelForCausalLM
 
     from inference.speculative import SpeculativeDecoder
 
@@ -96,9 +137,9 @@ def _speculative(args, model, prompt_ids, params, generator):
     if args.fixed_draft:
         overrides["adaptive"] = False
     if args.speculative == "seed":
-        decoder = SpeculativeDecoder.from_pretrained_dir(model, args.model_dir, **overrides)
+        decoder = SpeculativeDecoder.from_pretrained_dir(model, _seed_dir(args), **overrides)
     else:
-        drafter = AutoModelForCausalLM.from_pretrained(args.drafter).to(args.device).eval()
+        drafter, _ = load_model(args.drafter, None, args.device)
         decoder = SpeculativeDecoder(model, mode="external", drafter=drafter, **overrides)
     start = time.perf_counter()
     [completion], stats = decoder.generate([prompt_ids], params, generator)

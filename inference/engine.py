@@ -1,29 +1,48 @@
-"""Batched generation on token ids: left-padded prefill, then one decode step per new token.
+"""Batched generation on token ids: one decoding loop, left-padded prefill, then rounds of new tokens.
 
 Used for rollouts, eval and serving. Works on token ids only (tokenizing is the caller's job).
 
     engine = Engine(model)                      # lean decoder when the model allows it
+    engine = Engine(model, EngineConfig(max_seq_len=512))
     outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.7, stop_token_ids=(eos,)))
     outs[0].tokens, outs[0].logprobs, outs[0].finish_reason
 
-How a call runs:
-  1. Prompts are left-padded to the longest, P; each row's positions start at 0 at its first real
-     token, and pad keys are masked out of attention.
-  2. Prefill writes the prompt K/V into a cache pre-allocated for P + max_new_tokens slots.
-  3. Each decode step samples one token per live row (see `sampling.py`), checks stop tokens and
-     stop sequences, and drops finished rows from the batch (a gather of the live cache rows), so
+How a call runs (`run_generation`, the same for every decoding mode):
+  1. The preamble, once: prompts are checked, the new-token budget is cut to what max_seq_len
+     leaves, the model(s) run in eval mode under inference_mode, and prompts are left-padded to
+     the longest, P (each row's positions start at 0 at its first real token, pad keys are masked).
+  2. The mode prefills (prompt K/V into a cache pre-allocated for the whole call) and the first
+     token of every row is sampled from the prefill logits (see `sampling.py`).
+  3. Rounds until every row is done: the mode turns each live row's last token into one or more
+     new tokens, `Rollout.record` applies the one stop rule (stop ids, stop sequences, the
+     budget), and finished rows are dropped from the batch (a gather of the live cache rows), so
      the batch shrinks as rollouts of very different lengths finish.
 
-Two backends share that loop: the lean decoder (`lean.py`, our own forward over the same weights;
-the speed path) and the model's HF forward (`hf_backend.py`; the always-correct fallback). Both
-give the same tokens. Weights are read from the live model at every call, so a trainer can update
-the model between rollouts without telling the engine.
+The four seams, each a named place a later fast path plugs in without a second copy of the loop:
+  (1) token loop    `token_loop` + a `Strategy` (a decoding mode: prefill, then per round
+                    propose/verify tokens for the live rows). `OneToken` here is plain decoding;
+                    `speculative.SpeculativeMode` drafts and verifies. Preamble and stopping
+                    (`rollout.StopRule`) exist once, in this loop.
+  (2) linear op     `lean.Projection` / `lean.LinearOp`: every projection of the lean forward is
+                    a callable read from the weights (`lean.read_weights(..., linear=...)`; today
+                    F.linear on full-precision weights).
+  (3) routing       `lean.Route`, asked per layer in `lean.run_layers` which rows run the layer
+                    body; the default `lean.dense` runs all rows through every layer.
+  (4) cache         `lean.KVCache`: the forward writes K/V only through `KVCache.write(layer,
+                    start, k, v)` and reads through `KVCache.read`, so K/V from elsewhere can be
+                    written into slots before a prefill of only the new tokens.
+
+Two backends serve plain decoding: the lean decoder (`lean.py`, our own forward over the same
+weights; the speed path) and the model's HF forward (`hf_backend.py`; the always-correct fallback).
+Both give the same tokens. Weights are read from the live model at every call, so a trainer can
+update the model between rollouts without telling the engine.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -32,22 +51,42 @@ from inference.hf_backend import HFBackend
 from inference.lean import (
     EAGER, LeanBackend, Rope, compiled_blocks, lean_unsupported_reason, read_dims, rope_tables,
 )
+from inference.rollout import Completion, Emitted, Rollout
 from inference.sampling import SamplingParams, sample_next
 
-__all__ = ["Completion", "Engine", "SamplingParams"]
+__all__ = ["Completion", "Engine", "EngineConfig", "SamplingParams"]
 
 # Token id written into pad slots of left-padded prompts; any valid id works since pads are masked.
 PAD_ID = 0
-STOP, LENGTH = "stop", "length"
 
 
-@dataclass
-class Completion:
-    """One generated continuation (prompt not included)."""
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an Engine runs; every field has the behaviour of a bare `Engine(model)` as default.
 
-    tokens: list[int]  # up to and including the stop token / stop sequence
-    logprobs: list[float]  # per token: log_softmax(logits / T)[token] over the full vocab, fp32
-    finish_reason: str  # "stop" | "length"
+    max_seq_len: cache capacity (prompt + completion); None = config.max_position_embeddings.
+    use_lean: None = lean decoder when the model supports it (checked at every call, so model
+    surgery after construction is respected); True = require it (ValueError naming why not);
+    False = always the HF forward.
+    compile: torch.compile the cache-free halves of each lean layer (lean path only); off by
+    default because on CPU its first call costs tens of seconds (see benchmarks/generate.py).
+    """
+
+    max_seq_len: int | None = None
+    use_lean: bool | None = None
+    compile: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":
+        """The inverse of to_dict; an unknown key is an error (a typo would otherwise be ignored)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown EngineConfig keys {unknown}; known: {sorted(known)}")
+        return cls(**data)
 
 
 class Backend(Protocol):
@@ -60,7 +99,7 @@ class Backend(Protocol):
     def keep(self, rows: torch.Tensor) -> None: ...
 
 
-# ----------------------------------------------------------------------------- batch preparation
+# ----------------------------------------------------------------------------- the preamble
 
 
 @dataclass
@@ -91,38 +130,12 @@ def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
             raise ValueError(f"prompt {row} has a token id outside [0, {vocab_size})")
 
 
-# ----------------------------------------------------------------------------- stopping
-
-
-class StopRule:
-    """Which live rows just finished: last token is a stop id, or output ends with a stop sequence."""
-
-    def __init__(self, params: SamplingParams, device: torch.device):
-        ids = params.stop_token_ids
-        self.ids = torch.tensor(ids, dtype=torch.long, device=device) if ids else None
-        self.seqs = [torch.tensor(s, dtype=torch.long, device=device) for s in params.stop_sequences]
-        self.longest = max((len(s) for s in params.stop_sequences), default=0)
-
-    @property
-    def active(self) -> bool:
-        return self.ids is not None or bool(self.seqs)
-
-    def __call__(self, tokens: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
-                 step: int) -> torch.Tensor:
-        """tokens: (n,) just sampled; out: (B, N) all outputs so far; rows: (n,) -> (n,) bool."""
-        stopped = torch.zeros_like(tokens, dtype=torch.bool)
-        if self.ids is not None:
-            stopped |= torch.isin(tokens, self.ids)
-        if self.seqs:
-            start = max(0, step + 1 - self.longest)
-            tail = out[rows, start: step + 1]  # (n, <= longest)
-            for seq in self.seqs:
-                if len(seq) <= tail.shape[1]:
-                    stopped |= (tail[:, -len(seq):] == seq).all(-1)
-        return stopped
-
-
-# ----------------------------------------------------------------------------- the engine
+def token_budget(prompts: list[list[int]], params: SamplingParams, max_seq_len: int) -> int:
+    """New tokens per row: max_new_tokens, cut to what the longest prompt leaves in max_seq_len."""
+    longest = max(len(p) for p in prompts)
+    if longest >= max_seq_len:
+        raise ValueError(f"prompt of {longest} tokens leaves no room in max_seq_len={max_seq_len}")
+    return min(params.max_new_tokens, max_seq_len - longest)
 
 
 @contextlib.contextmanager
@@ -137,24 +150,110 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
             module.training = training
 
 
-class Engine:
-    """Batched generation over a live `transformers` causal LM.
+# ----------------------------------------------------------------------------- the token loop
 
-    max_seq_len: cache capacity (prompt + completion); defaults to config.max_position_embeddings.
-    use_lean: None = lean decoder when the model supports it (checked at every call, so model
-    surgery after construction is respected); True = require it (ValueError naming why not);
-    False = always the HF forward.
-    compile: torch.compile the cache-free halves of each lean layer (lean path only); off by
-    default because on CPU its first call costs tens of seconds (see benchmarks/generate.py).
+
+class Strategy(Protocol):
+    """A decoding mode of the token loop (seam 1): what a round does for the live rows."""
+
+    def prefill(self, batch: PaddedPrompts) -> torch.Tensor:
+        """Write the prompts into the mode's cache(s); -> logits of each row's first token (B, V)."""
+
+    def round(self, last: torch.Tensor, positions: torch.Tensor, room: torch.Tensor | int) -> Emitted:
+        """last, positions: (n,) each live row's last emitted token (not cached yet) and its
+        position; room: tokens each row may still emit. -> the tokens each row emits next
+        (1 <= count <= room)."""
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (indices into the live rows) in the cache(s), in order."""
+
+
+def token_loop(strategy: Strategy, batch: PaddedPrompts, params: SamplingParams, new_tokens: int,
+               generator: torch.Generator | None, max_rounds: int | None = None) -> Rollout:
+    """Prefill, sample every row's first token, then rounds until every row is done (or
+    `max_rounds` rounds ran: tests stop a run midway to look at its caches)."""
+    run = Rollout(batch.ids.shape[0], new_tokens, params, batch.ids.device)
+    logits = strategy.prefill(batch)  # (B, V)
+    first, logprob = sample_next(logits, params, generator)  # (B,), (B,)
+    emitted = Emitted(first[:, None], logprob[:, None])
+    last, positions = first, batch.lengths.clone()  # (n,) last emitted token and its position
+    rounds = 0
+    while True:
+        live = run.record(emitted)  # (n',) rows still running, or None if all are
+        if run.done or rounds == max_rounds:
+            return run
+        if live is not None:
+            strategy.keep(live)
+            last, positions = last[live], positions[live]
+        emitted = strategy.round(last, positions, run.room())
+        last, positions = emitted.last(), positions + emitted.advance()
+        rounds += 1
+
+
+def run_generation(models: Sequence[nn.Module], prompts: list[list[int]], params: SamplingParams,
+                   max_seq_len: int, make_strategy: Callable[[PaddedPrompts, int], Strategy],
+                   generator: torch.Generator | None) -> list[Completion]:
+    """The preamble and the loop, for any mode. models[0] is the target (its vocab checks the
+    prompts, its device holds the batch); every model runs in eval mode, restored afterwards.
+    make_strategy(padded batch, new-token budget) builds the mode for this call."""
+    if not prompts:
+        return []
+    target = models[0]
+    check_prompts(prompts, target.get_input_embeddings().num_embeddings)
+    new_tokens = token_budget(prompts, params, max_seq_len)
+    with contextlib.ExitStack() as stack:
+        for model in models:
+            stack.enter_context(eval_mode(model))
+        # inference_mode on top of no_grad: skips view/version tracking, ~20% per step on CPU here.
+        stack.enter_context(torch.inference_mode())
+        batch = left_pad(prompts, next(target.parameters()).device)
+        strategy = make_strategy(batch, new_tokens)
+        return token_loop(strategy, batch, params, new_tokens, generator).completions()
+
+
+class OneToken:
+    """Plain decoding: each round decodes every live row's last token and samples the next one."""
+
+    def __init__(self, backend: Backend, params: SamplingParams, generator: torch.Generator | None):
+        self.backend, self.params, self.generator = backend, params, generator
+
+    def prefill(self, batch: PaddedPrompts) -> torch.Tensor:
+        return self.backend.prefill(batch.ids, batch.positions, batch.valid)  # (B, V)
+
+    def round(self, last: torch.Tensor, positions: torch.Tensor, room: torch.Tensor | int) -> Emitted:
+        logits = self.backend.decode(last, positions)  # (n, V)
+        tokens, logprobs = sample_next(logits, self.params, self.generator)  # (n,), (n,)
+        return Emitted(tokens[:, None], logprobs[:, None])
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.backend.keep(rows)
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+# Marks an Engine keyword argument that was not passed (None is a meaningful use_lean value).
+_FROM_CONFIG: Any = object()
+
+
+class Engine:
+    """Batched generation over a live `transformers` causal LM; see `EngineConfig` for the knobs.
+
+    Engine(model, config) or, as before configs existed, Engine(model, max_seq_len=..., use_lean=...,
+    compile=...); a keyword that is passed overrides the config's field.
     """
 
-    def __init__(self, model: nn.Module, *, max_seq_len: int | None = None,
-                 use_lean: bool | None = None, compile: bool = False):
+    def __init__(self, model: nn.Module, config: EngineConfig | None = None, *,
+                 max_seq_len: int | None = _FROM_CONFIG, use_lean: bool | None = _FROM_CONFIG,
+                 compile: bool = _FROM_CONFIG):
+        passed = {"max_seq_len": max_seq_len, "use_lean": use_lean, "compile": compile}
+        overrides = {key: value for key, value in passed.items() if value is not _FROM_CONFIG}
+        self.config = dataclasses.replace(config or EngineConfig(), **overrides)
         self.model = model
-        self.use_lean = use_lean
-        self.compile = compile
-        self.max_seq_len = max_seq_len or model.config.max_position_embeddings
-        if use_lean:
+        self.use_lean = self.config.use_lean
+        self.compile = self.config.compile
+        self.max_seq_len = self.config.max_seq_len or model.config.max_position_embeddings
+        if self.use_lean:
             self._require_lean()
         self._rope: Rope | None = None  # RoPE tables, reused across calls while still valid
 
@@ -183,76 +282,9 @@ class Engine:
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  generator: torch.Generator | None = None) -> list[Completion]:
         """Complete every prompt (token ids). Returns one Completion per prompt, in order."""
-        if not prompts:
-            return []
-        check_prompts(prompts, self.model.get_input_embeddings().num_embeddings)
-        longest = max(len(p) for p in prompts)
-        if longest >= self.max_seq_len:
-            raise ValueError(f"prompt of {longest} tokens leaves no room in max_seq_len={self.max_seq_len}")
-        new_tokens = min(params.max_new_tokens, self.max_seq_len - longest)
-        # inference_mode on top of no_grad: skips view/version tracking, ~20% per step on CPU here.
-        with eval_mode(self.model), torch.inference_mode():
-            return self._generate(prompts, params, new_tokens, generator)
 
-    def _generate(self, prompts, params: SamplingParams, new_tokens: int, generator) -> list[Completion]:
-        device = next(self.model.parameters()).device
-        batch = left_pad(prompts, device)
-        B = len(prompts)
-        backend = self._backend(B, batch.ids.shape[1] + new_tokens)
-        run = Rollout(B, new_tokens, params, device)
-        logits = backend.prefill(batch.ids, batch.positions, batch.valid)  # (B, V)
-        positions = batch.lengths.clone()  # (n,) position of the token sampled next
-        for step in range(new_tokens):
-            tokens = run.sample(logits, step, generator)  # (n,)
-            live = run.finish_rows(tokens, step)  # (n',) rows still running, or None if all are
-            if step + 1 == new_tokens or (live is not None and live.numel() == 0):
-                break
-            if live is not None:
-                backend.keep(live)
-                tokens, positions = tokens[live], positions[live]
-            logits = backend.decode(tokens, positions)
-            positions += 1
-        return run.completions()
+        def plain(batch: PaddedPrompts, new_tokens: int) -> OneToken:
+            backend = self._backend(batch.ids.shape[0], batch.ids.shape[1] + new_tokens)
+            return OneToken(backend, params, generator)
 
-
-class Rollout:
-    """Output buffers and per-row bookkeeping of one `generate` call.
-
-    `rows` maps the live batch (which shrinks as rows finish) back to the caller's prompt order.
-    """
-
-    def __init__(self, batch: int, new_tokens: int, params: SamplingParams, device: torch.device):
-        self.params = params
-        self.stop = StopRule(params, device)
-        self.tokens = torch.zeros(batch, new_tokens, dtype=torch.long, device=device)  # (B, N)
-        self.logprobs = torch.zeros(batch, new_tokens, dtype=torch.float32, device=device)  # (B, N)
-        self.rows = torch.arange(batch, device=device)  # (n,)
-        self.length = [new_tokens] * batch
-        self.reason = [LENGTH] * batch
-
-    def sample(self, logits: torch.Tensor, step: int, generator) -> torch.Tensor:
-        """Pick and record one token per live row. logits: (n, V) -> tokens (n,)."""
-        tokens, logprobs = sample_next(logits, self.params, generator)  # (n,), (n,)
-        self.tokens[self.rows, step] = tokens
-        self.logprobs[self.rows, step] = logprobs
-        return tokens
-
-    def finish_rows(self, tokens: torch.Tensor, step: int) -> torch.Tensor | None:
-        """Record rows that stopped at `step`; return the live-row indices to keep (None = all)."""
-        if not self.stop.active:
-            return None
-        stopped = self.stop(tokens, self.tokens, self.rows, step)  # (n,) bool
-        if not bool(stopped.any()):  # one host sync per step, on n booleans
-            return None
-        for row in self.rows[stopped].tolist():
-            self.length[row], self.reason[row] = step + 1, STOP
-        live = (~stopped).nonzero().squeeze(1)  # (n',)
-        self.rows = self.rows[live]
-        return live
-
-    def completions(self) -> list[Completion]:
-        tokens, logprobs = self.tokens.tolist(), self.logprobs.tolist()
-        return [
-            Completion(tokens[i][: self.length[i]], logprobs[i][: self.length[i]], self.reason[i])
-            for i in range(len(tokens))
-        ]
+        return run_generation([self.model], prompts, params, self.max_seq_len, plain, generator)

@@ -16,12 +16,25 @@ rollouts are always seen.
 
 KV cache layout: one buffer `(L, 2, B, H_kv, T_max, D)`; rows [0, n) of the batch axis are the
 live rows, so dropping finished rows is an in-place gather of the used prefix (no reallocation).
+
+Three of the engine's seams (see `engine.py`) live here, each a named place a later fast path plugs
+into without touching the layer math:
+  linear op     every projection (fused q|k|v, o, fused gate|up, down, lm_head) is a `Projection`:
+                weights read from the model plus the `LinearOp` that applies them. `read_weights`
+                takes the op (today `FULL_PRECISION` = F.linear); a low-bit path would read packed
+                weights and give each projection its own op here.
+  routing       `run_layers` asks a `Route` per layer which rows run the layer body; the default
+                `dense` says all of them (None). A layer-skipper would answer with a row subset.
+  cache         `KVCache` owns the K/V buffer and the key mask; the forward writes through
+                `KVCache.write(layer, start, k, v)` and reads through `KVCache.read`, so K/V known
+                from elsewhere (e.g. a shared prefix) can be written into slots before a prefill
+                that runs only the new tokens.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, Iterable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -134,19 +147,36 @@ def read_dims(model: nn.Module) -> Dims:
     )
 
 
+# Seam 2, the linear op: (x (..., in), weight (out, in), bias (out,) | None) -> (..., out).
+LinearOp = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+FULL_PRECISION: LinearOp = F.linear
+
+
+@dataclass
+class Projection:
+    """One linear map of the decoder: the weights read from the model and the op that applies them.
+
+    Every projection of the lean forward is called through here, so the op is the one place a
+    different weight format (low-bit, packed) changes how a projection runs.
+    """
+
+    weight: torch.Tensor  # (out, in) full precision today
+    bias: torch.Tensor | None
+    op: LinearOp = FULL_PRECISION
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x, self.weight, self.bias)
+
+
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # (C,)
-    qkv: torch.Tensor  # ((H + 2 H_kv) D, C) fused q|k|v projection
-    qkv_bias: torch.Tensor | None
+    qkv: Projection  # ((H + 2 H_kv) D, C) fused q|k|v projection
     qk_norm: torch.Tensor | None  # (H + H_kv, D) per-head q_norm rows then k_norm rows (Qwen3)
-    o: torch.Tensor  # (C, H D)
-    o_bias: torch.Tensor | None
+    o: Projection  # (C, H D)
     post_norm: torch.Tensor  # (C,)
-    gate_up: torch.Tensor  # (2 I, C) fused gate|up projection
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # (C, I)
-    down_bias: torch.Tensor | None
+    gate_up: Projection  # (2 I, C) fused gate|up projection
+    down: Projection  # (C, I)
 
 
 @dataclass
@@ -154,7 +184,7 @@ class Weights:
     embed: torch.Tensor  # (V, C)
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # (C,)
-    lm_head: torch.Tensor  # (V, C)
+    lm_head: Projection  # (V, C)
 
 
 def _cat_bias(*linears: nn.Linear) -> torch.Tensor | None:
@@ -164,7 +194,16 @@ def _cat_bias(*linears: nn.Linear) -> torch.Tensor | None:
                       for lin in linears])
 
 
-def _layer_weights(layer: nn.Module, dims: Dims) -> LayerWeights:
+def _projection(linear: LinearOp, *modules: nn.Linear) -> Projection:
+    """The projection of `modules` fused along the output axis (one module: its own weights)."""
+    if len(modules) == 1:
+        weight = modules[0].weight
+    else:
+        weight = torch.cat([m.weight for m in modules])
+    return Projection(weight.detach(), _detach(_cat_bias(*modules)), linear)
+
+
+def _layer_weights(layer: nn.Module, dims: Dims, linear: LinearOp) -> LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
     qk_norm = None
     if dims.qk_norm:
@@ -173,16 +212,12 @@ def _layer_weights(layer: nn.Module, dims: Dims) -> LayerWeights:
         qk_norm = torch.cat([q_rows, k_rows])  # (H + H_kv, D)
     return LayerWeights(
         input_norm=layer.input_layernorm.weight.detach(),
-        qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
-        qkv_bias=_detach(_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj)),
+        qkv=_projection(linear, attn.q_proj, attn.k_proj, attn.v_proj),
         qk_norm=qk_norm,
-        o=attn.o_proj.weight.detach(),
-        o_bias=_detach(attn.o_proj.bias),
+        o=_projection(linear, attn.o_proj),
         post_norm=layer.post_attention_layernorm.weight.detach(),
-        gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
-        gate_up_bias=_detach(_cat_bias(mlp.gate_proj, mlp.up_proj)),
-        down=mlp.down_proj.weight.detach(),
-        down_bias=_detach(mlp.down_proj.bias),
+        gate_up=_projection(linear, mlp.gate_proj, mlp.up_proj),
+        down=_projection(linear, mlp.down_proj),
     )
 
 
@@ -190,13 +225,14 @@ def _detach(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.detach()
 
 
-def read_weights(model: nn.Module, dims: Dims) -> Weights:
-    """Reference the live weights (fusing q|k|v and gate|up for this call only)."""
+def read_weights(model: nn.Module, dims: Dims, linear: LinearOp = FULL_PRECISION) -> Weights:
+    """Reference the live weights (fusing q|k|v and gate|up for this call only); every projection,
+    lm_head included, applies them with `linear`."""
     return Weights(
         embed=model.model.embed_tokens.weight.detach(),
-        layers=[_layer_weights(layer, dims) for layer in model.model.layers],
+        layers=[_layer_weights(layer, dims, linear) for layer in model.model.layers],
         final_norm=model.model.norm.weight.detach(),
-        lm_head=model.lm_head.weight.detach(),
+        lm_head=_projection(linear, model.lm_head),
     )
 
 
@@ -265,7 +301,7 @@ def attention_inputs(x: torch.Tensor, w: LayerWeights, dims: Dims, cos, sin_sign
     """
     B, T, _ = x.shape
     D, n_qk = dims.head_dim, dims.heads + dims.kv_heads
-    qkv = F.linear(rms_norm(x, w.input_norm, dims.eps), w.qkv, w.qkv_bias)  # (B, T, (H + 2 H_kv) D)
+    qkv = w.qkv(rms_norm(x, w.input_norm, dims.eps))  # (B, T, (H + 2 H_kv) D)
     qk = qkv[..., : n_qk * D].view(B, T, n_qk, D)  # (B, T, H + H_kv, D)
     v = qkv[..., n_qk * D:].view(B, T, dims.kv_heads, D)  # (B, T, H_kv, D)
     if w.qk_norm is not None:
@@ -276,9 +312,9 @@ def attention_inputs(x: torch.Tensor, w: LayerWeights, dims: Dims, cos, sin_sign
 
 def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, w: LayerWeights, dims: Dims):
     """Output projection + residual, then the SiLU-gated MLP + residual. x: (B, T, C); attn: (B, T, H D)."""
-    x = x + F.linear(attn, w.o, w.o_bias)
-    gate, up = F.linear(rms_norm(x, w.post_norm, dims.eps), w.gate_up, w.gate_up_bias).chunk(2, -1)
-    return x + F.linear(F.silu(gate) * up, w.down, w.down_bias)  # (B, T, C)
+    x = x + w.o(attn)
+    gate, up = w.gate_up(rms_norm(x, w.post_norm, dims.eps)).chunk(2, -1)  # (B, T, I) each
+    return x + w.down(F.silu(gate) * up)  # (B, T, C)
 
 
 class Blocks(NamedTuple):
@@ -317,51 +353,148 @@ def _attend(q, k_cache, v_cache, mask, dims: Dims) -> torch.Tensor:
     return out.transpose(1, 2).reshape(B, T, H * D)
 
 
-def decoder_layer(x, w: LayerWeights, dims: Dims, blocks: Blocks, rope_rows, kv, slot: int, mask):
-    """One pre-norm block. x: (B, T, C); kv: (2, B, H_kv, T_max, D) this layer's cache."""
-    T = x.shape[1]
-    q, k, v = blocks.inputs(x, w, dims, *rope_rows)
-    kv[KEY, :, :, slot: slot + T] = k.transpose(1, 2)  # (B, H_kv, T, D)
-    kv[VALUE, :, :, slot: slot + T] = v.transpose(1, 2)
-    end = slot + T
-    attn = _attend(q, kv[KEY, :, :, :end], kv[VALUE, :, :, :end], mask, dims)  # (B, T, H D)
-    return blocks.output_and_mlp(x, attn, w, dims)  # (B, T, C)
+# ----------------------------------------------------------------------------- cache contents
 
 
-def forward(weights: Weights, dims: Dims, blocks: Blocks, rope: Rope, ids, positions, kv, slot: int, mask):
+class KVCache:
+    """Seam 4, the cache contents: every layer's K/V in one pre-allocated buffer, plus a key mask.
+
+    kv: (L, 2, B, H_kv, T_max, D); key_ok: (B, 1, 1, T_max) bool, False where a slot holds no key a
+    query may see (left pads, rejected drafts). Rows [0, n) of the batch axis are the live rows.
+    The forward only goes through `write` and `read`, so whatever fills slots [0, s) before a
+    forward that starts at slot s (a prefix's K/V computed by someone else, say) is attended to
+    exactly as if that forward had written it. (Such a forward over T > 1 tokens needs an explicit
+    mask: with mask None, SDPA's is_causal aligns the query block to key 0, right only at slot 0.)
+    """
+
+    def __init__(self, dims: Dims, batch: int, max_len: int, dtype: torch.dtype, device: torch.device):
+        self.kv = torch.empty(  # (L, 2, B, H_kv, T_max, D)
+            dims.layers, 2, batch, dims.kv_heads, max_len, dims.head_dim, dtype=dtype, device=device
+        )
+        self.key_ok = torch.ones(batch, 1, 1, max_len, dtype=torch.bool, device=device)  # (B, 1, 1, T_max)
+        self.n = batch
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[4]
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: (n, T, H_kv, D) of the live rows -> slots [start, start + T) of `layer`."""
+        end = start + k.shape[1]
+        kv = self.kv[layer]  # (2, B, H_kv, T_max, D)
+        kv[KEY, : self.n, :, start:end] = k.transpose(1, 2)  # (n, H_kv, T, D)
+        kv[VALUE, : self.n, :, start:end] = v.transpose(1, 2)
+
+    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots [0, end) of `layer`, live rows: (n, H_kv, end, D) each."""
+        kv = self.kv[layer]
+        return kv[KEY, : self.n, :, :end], kv[VALUE, : self.n, :, :end]
+
+    def keep(self, rows: torch.Tensor, used: int, mask: bool = True) -> None:
+        """Keep only `rows` (indices into the live rows), moved to the front in order; only slots
+        [0, used) are copied. mask=False skips the key mask (all True when nothing is padded)."""
+        n = rows.numel()
+        self.kv[:, :, :n, :, :used] = self.kv[:, :, rows, :, :used]
+        if mask:
+            self.key_ok[:n] = self.key_ok[rows]
+        self.n = n
+
+    def gather_slots(self, order: torch.Tensor, used: int) -> None:
+        """Rearrange slots: new slot j of live row r is old slot order[r, j] (order: (n, S') indices
+        into [0, used)), key mask included; slots from S' on are left stale."""
+        n, kept = order.shape
+        L, two, _, H, _, D = self.kv.shape
+        index = order[None, None, :, None, :, None].expand(L, two, n, H, kept, D)
+        self.kv[:, :, :n, :, :kept] = self.kv[:, :, :n, :, :used].gather(4, index)
+        self.key_ok[:n, 0, 0, :kept] = self.key_ok[:n, 0, 0, :used].gather(1, order)
+
+
+# ----------------------------------------------------------------------------- per-layer routing
+
+
+# Seam 3, per-layer routing: (layer index, hidden states (n, T, C)) -> the rows that run the layer
+# body, or None for all of them.
+Route = Callable[[int, torch.Tensor], Optional[torch.Tensor]]
+
+
+def dense(layer: int, x: torch.Tensor) -> None:
+    """Every row runs every layer (the only routing today's decoder implements)."""
+    return None
+
+
+def decoder_layer(x, w: LayerWeights, dims: Dims, blocks: Blocks, rope_rows, cache: KVCache, layer: int,
+                  slot: int, mask):
+    """One pre-norm block on new tokens written at slots [slot, slot + T). x: (n, T, C) -> (n, T, C)."""
+    q, k, v = blocks.inputs(x, w, dims, *rope_rows)  # (n, T, H, D), (n, T, H_kv, D), (n, T, H_kv, D)
+    cache.write(layer, slot, k, v)
+    keys, values = cache.read(layer, slot + x.shape[1])  # (n, H_kv, S, D) each
+    attn = _attend(q, keys, values, mask, dims)  # (n, T, H D)
+    return blocks.output_and_mlp(x, attn, w, dims)  # (n, T, C)
+
+
+def run_layers(x, layers: Iterable[int], weights: Weights, dims: Dims, blocks: Blocks, rope_rows,
+               cache: KVCache, slot: int, mask, route: Route = dense) -> torch.Tensor:
+    """Run `layers` (in order) on hidden states x: (n, T, C) at slots [slot, slot + T) -> (n, T, C).
+
+    `route` is asked before each layer which rows run its body. Only the dense answer (None) is
+    implemented: a row subset also needs a rule for what the skipped rows leave in that layer's
+    cache slots, which the layer-skipper that asks for it must bring.
+    """
+    for layer in layers:
+        if route(layer, x) is not None:
+            raise NotImplementedError(f"layer {layer}: routing a subset of rows through a layer is not "
+                                      "implemented (skipped rows would leave its cache slots unwritten)")
+        x = decoder_layer(x, weights.layers[layer], dims, blocks, rope_rows, cache, layer, slot, mask)
+    return x
+
+
+def rope_at(rope: Rope, positions: torch.Tensor, dtype: torch.dtype):
+    """RoPE tables gathered at positions (n, T): cos, sin_signed, each (n, T, 1, D) in `dtype`."""
+    return (rope.cos[positions].unsqueeze(2).to(dtype), rope.sin_signed[positions].unsqueeze(2).to(dtype))
+
+
+def forward(weights: Weights, dims: Dims, blocks: Blocks, rope: Rope, ids, positions, cache: KVCache,
+            slot: int, mask, route: Route = dense):
     """Run the decoder on new tokens written at cache slots [slot, slot + T).
 
-    ids, positions: (B, T); kv: (L, 2, B, H_kv, T_max, D); mask: (B, 1, T, slot + T) bool or
-    None. Returns logits of the LAST position, in the model dtype: (B, V).
+    ids, positions: (n, T) for the cache's n live rows; mask: (n, 1, T, slot + T) bool or None.
+    Returns logits of the LAST position, in the model dtype: (n, V).
     """
-    x = F.embedding(ids, weights.embed)  # (B, T, C)
-    dtype = x.dtype
-    rope_rows = (rope.cos[positions].unsqueeze(2).to(dtype),  # (B, T, 1, D)
-                 rope.sin_signed[positions].unsqueeze(2).to(dtype))
-    for layer, w in enumerate(weights.layers):
-        x = decoder_layer(x, w, dims, blocks, rope_rows, kv[layer], slot, mask)
-    last = rms_norm(x[:, -1], weights.final_norm, dims.eps)  # (B, C)
-    return F.linear(last, weights.lm_head)  # (B, V)
+    x = F.embedding(ids, weights.embed)  # (n, T, C)
+    rows = rope_at(rope, positions, x.dtype)
+    x = run_layers(x, range(len(weights.layers)), weights, dims, blocks, rows, cache, slot, mask, route)
+    last = rms_norm(x[:, -1], weights.final_norm, dims.eps)  # (n, C)
+    return weights.lm_head(last)  # (n, V)
 
 
 # ----------------------------------------------------------------------------- per-call state
 
 
 class LeanBackend:
-    """The lean decoder's state for one `generate` call: weights, KV cache, key mask."""
+    """The lean decoder's state for one `generate` call: weights, KV cache, key mask.
+
+    linear: the op of every projection (seam 2); route: per-layer routing (seam 3).
+    """
 
     def __init__(self, model: nn.Module, dims: Dims, rope: Rope, batch: int, max_len: int,
-                 blocks: Blocks = EAGER):
-        self.weights = read_weights(model, dims)
-        self.dims, self.rope, self.blocks = dims, rope, blocks
-        dtype, device = self.weights.embed.dtype, self.weights.embed.device
-        self.kv = torch.empty(  # (L, 2, B, H_kv, T_max, D)
-            dims.layers, 2, batch, dims.kv_heads, max_len, dims.head_dim, dtype=dtype, device=device
-        )
-        self.key_ok = torch.ones(batch, 1, 1, max_len, dtype=torch.bool, device=device)  # (B, 1, 1, T_max)
+                 blocks: Blocks = EAGER, linear: LinearOp = FULL_PRECISION, route: Route = dense):
+        self.weights = read_weights(model, dims, linear)
+        self.dims, self.rope, self.blocks, self.route = dims, rope, blocks, route
+        self.cache = KVCache(dims, batch, max_len, self.weights.embed.dtype, self.weights.embed.device)
         self.padded = False
-        self.n = batch
         self.slot = 0
+
+    @property
+    def kv(self) -> torch.Tensor:
+        return self.cache.kv  # (L, 2, B, H_kv, T_max, D)
+
+    @property
+    def key_ok(self) -> torch.Tensor:
+        return self.cache.key_ok  # (B, 1, 1, T_max)
+
+    @property
+    def n(self) -> int:
+        return self.cache.n
 
     def prefill(self, ids, positions, valid) -> torch.Tensor:
         """ids, positions, valid: (B, P), left-padded -> last-position logits (B, V)."""
@@ -375,25 +508,35 @@ class LeanBackend:
             diag = torch.eye(P, dtype=torch.bool, device=ids.device)
             # Pad queries see only themselves, so no softmax row is empty (their output is unused).
             mask = (causal & self.key_ok[:, :, :, :P]) | diag  # (B, 1, P, P)
-        logits = forward(self.weights, self.dims, self.blocks, self.rope, ids, positions, self.kv, 0, mask)
+        logits = forward(self.weights, self.dims, self.blocks, self.rope, ids, positions, self.cache, 0, mask,
+                         self.route)
         self.slot = P
         return logits
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens, positions: (n,) -> logits (n, V); appends one slot to the cache."""
-        n, end = self.n, self.slot + 1
-        mask = self.key_ok[:n, :, :, :end] if self.padded else None  # (n, 1, 1, S)
-        live_kv = self.kv[:, :, :n]  # (L, 2, n, H_kv, T_max, D)
+        end = self.slot + 1
+        mask = self.key_ok[: self.n, :, :, :end] if self.padded else None  # (n, 1, 1, S)
         logits = forward(self.weights, self.dims, self.blocks, self.rope, tokens[:, None],
-                         positions[:, None], live_kv, self.slot, mask)
+                         positions[:, None], self.cache, self.slot, mask, self.route)
         self.slot = end
         return logits
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (indices into the live rows), moving them to the front in order."""
-        used = self.slot
-        n = rows.numel()
-        self.kv[:, :, :n, :, :used] = self.kv[:, :, rows, :, :used]
-        if self.padded:
-            self.key_ok[:n] = self.key_ok[rows]
-        self.n = n
+        self.cache.keep(rows, self.slot, mask=self.padded)
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, layers: Iterable[int], start: int, mask) -> torch.Tensor:
+        """Run `layers` on hidden states x (n, T, C) at positions (n, T), written at slots
+        [start, start + T), under `mask` (n, 1, T, start + T) -> hidden (n, T, C)."""
+        rows = rope_at(self.rope, positions, x.dtype)
+        return run_layers(x, layers, self.weights, self.dims, self.blocks, rows, self.cache, start, mask,
+                          self.route)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (n, T) -> (n, T, C)."""
+        return F.embedding(ids, self.weights.embed)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head: hidden (..., C) -> logits (..., V) in the model dtype."""
+        return self.weights.lm_head(rms_norm(hidden, self.weights.final_norm, self.dims.eps))

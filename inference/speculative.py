@@ -25,8 +25,8 @@ KV rollback with one shared write slot (the lean cache `(L, 2, B, H_kv, T_max, D
 writes its round at the same slots [s, s + m + 1); rows accept different lengths a_r, so after the
 round the write slot moves to s + max_r(a_r + 1) and each row's rejected slots are switched off in
 the key mask (`key_ok`). Positions are per row (RoPE is applied before caching), so masked holes
-are harmless. When the next round would not fit, `compact` gathers every row's valid slots to the
-front (left-padded), so the cache only needs prompt + max_new_tokens + draft_len + 2 slots. In
+are harmless. When the next round would not fit, `ensure_room` gathers every row's valid slots to
+the front (left-padded), so the cache only needs prompt + max_new_tokens + draft_len + 2 slots. In
 batch 1 nothing is ever masked: the slot just moves back to the accepted prefix.
 
 SEED drafter K/V is written into the target cache's top layers at the round's slots, which the
@@ -34,31 +34,29 @@ verify forward overwrites, so it is discarded for free. An external drafter's ca
 back the same way; on full acceptance it has never seen d_m, so d_m is fed to it right after the
 verify ("draft-cache sync"; rows that need no sync write a masked dummy slot).
 
-Outputs follow the Engine: tokens up to and including a stop token / stop sequence, never more
-than max_new_tokens, logprobs = log_softmax(logits / T) over the full vocabulary (T = 1 greedy).
-Only models the lean decoder supports can run here (a ValueError names why not).
+This is a mode of the engine's one token loop (`engine.token_loop`): `SpeculativeMode` is its
+`Strategy`, so the preamble, the first token (sampled from the prefill logits), stopping and
+dropping finished rows are the Engine's own, and outputs follow it exactly: tokens up to and
+including a stop token / stop sequence (also when it completes inside a run of accepted drafts),
+never more than max_new_tokens, logprobs = log_softmax(logits / T) over the full vocabulary
+(T = 1 greedy). Only models the lean decoder supports can run here (a ValueError names why not).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from inference.engine import LENGTH, STOP, Completion, check_prompts, eval_mode, left_pad
-from inference.lean import (
-    EAGER, LeanBackend, decoder_layer, lean_unsupported_reason, read_dims, rms_norm,
-    rope_tables,
-)
-from inference.sampling import SamplingParams, sample_next, top_k_filter, top_p_filter
+from inference.artifacts import DRAFTER_DEFAULTS, read_drafter_spec
+from inference.engine import PaddedPrompts, run_generation
+from inference.lean import EAGER, LeanBackend, lean_unsupported_reason, read_dims, rope_tables
+from inference.rollout import Completion, Emitted
+from inference.sampling import SamplingParams, top_k_filter, top_p_filter
 
-__all__ = ["SEED_CONFIG", "SpecStats", "SpeculativeDecoder", "accept_greedy", "accept_sampled",
+__all__ = ["SpecStats", "SpeculativeDecoder", "SpeculativeMode", "accept_greedy", "accept_sampled",
            "target_probs"]
 
-SEED_CONFIG = "seed_drafter.json"
 MODES = ("seed", "external")
 
 
@@ -150,18 +148,21 @@ class MaskedCache:
         self.dims = read_dims(model)
         self.rope = rope_tables(model, capacity + 1)
         self.lean = LeanBackend(model, self.dims, self.rope, batch, capacity, EAGER)
-        self.weights = self.lean.weights
+        self.cache = self.lean.cache
         self.capacity = capacity
-        self.n = batch
         self.slot = 0
 
     @property
     def kv(self) -> torch.Tensor:
-        return self.lean.kv
+        return self.cache.kv  # (L, 2, B, H_kv, T_max, D)
 
     @property
     def key_ok(self) -> torch.Tensor:
-        return self.lean.key_ok
+        return self.cache.key_ok  # (B, 1, 1, T_max)
+
+    @property
+    def n(self) -> int:
+        return self.cache.n
 
     def prefill(self, ids, positions, valid) -> torch.Tensor:
         """The Engine's prefill (bit-identical first logits). -> last-position logits (B, V)."""
@@ -183,20 +184,14 @@ class MaskedCache:
             keys = torch.arange(end, device=x.device)
             causal = keys[None, :] <= start + torch.arange(T, device=x.device)[:, None]  # (T, end)
             mask = mask & causal  # (n, 1, T, end)
-        dtype = x.dtype
-        rope_rows = (self.rope.cos[positions].unsqueeze(2).to(dtype),  # (n, T, 1, D)
-                     self.rope.sin_signed[positions].unsqueeze(2).to(dtype))
-        for layer in layers:
-            x = decoder_layer(x, self.weights.layers[layer], self.dims, EAGER, rope_rows,
-                              self.kv[layer, :, :n], start, mask)
-        return x
+        return self.lean.run(x, positions, layers, start, mask)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weights.embed)
+        return self.lean.embed(ids)  # (n, T, C)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (..., C) -> logits (..., V) in the model dtype."""
-        return F.linear(rms_norm(hidden, self.weights.final_norm, self.dims.eps), self.weights.lm_head)
+        return self.lean.logits(hidden)
 
     def commit(self, start: int, valid: torch.Tensor) -> None:
         """Keep the first valid[r] slots of the block written at `start`; mask the rest out."""
@@ -216,20 +211,14 @@ class MaskedCache:
         kept = int(ok.sum(-1).max())
         # Stable sort puts each row's masked slots first and its valid slots after, in order.
         order = torch.sort(ok.to(torch.uint8), dim=-1, stable=True).indices[:, S - kept:]  # (n, kept)
-        L, two, _, H, _, D = self.kv.shape
-        index = order[None, None, :, None, :, None].expand(L, two, n, H, kept, D)
-        self.kv[:, :, :n, :, :kept] = self.kv[:, :, :n, :, :S].gather(4, index)
-        self.key_ok[:n, 0, 0, :kept] = ok.gather(1, order)
+        self.cache.gather_slots(order, S)
         self.slot = kept
         if self.slot + needed > self.capacity:
             raise RuntimeError("speculative KV cache overflow; this is a bug in its sizing")
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only `rows` of the live batch, moved to the front in order."""
-        n, S = rows.numel(), self.slot
-        self.kv[:, :, :n, :, :S] = self.kv[:, :, rows, :, :S]
-        self.key_ok[:n] = self.key_ok[rows]
-        self.n = n
+        self.cache.keep(rows, self.slot)
 
 
 # ----------------------------------------------------------------------------- the decoder
@@ -242,11 +231,13 @@ class SpeculativeDecoder:
     mode "external": `drafter` is a separate small causal LM sharing the tokenizer / vocab.
     adaptive=True: a row stops drafting after a draft whose top probability < confidence (at most
     draft_len drafts); adaptive=False: always draft_len drafts (budget permitting).
+    Defaults are the SEED export's (`artifacts.DRAFTER_DEFAULTS`).
     """
 
-    def __init__(self, model: nn.Module, *, mode: str = "seed", decoder_layers: int = 2, drafter=None,
-                 draft_len: int = 4, confidence: float = 0.7, adaptive: bool = True,
-                 max_seq_len: int | None = None):
+    def __init__(self, model: nn.Module, *, mode: str = "seed",
+                 decoder_layers: int = DRAFTER_DEFAULTS.decoder_layers, drafter=None,
+                 draft_len: int = DRAFTER_DEFAULTS.draft_len, confidence: float = DRAFTER_DEFAULTS.confidence,
+                 adaptive: bool = DRAFTER_DEFAULTS.adaptive, max_seq_len: int | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if draft_len < 1:
@@ -271,12 +262,9 @@ class SpeculativeDecoder:
         Keys: decoder_layers, draft_len, confidence, adaptive (block_size is the training block
         and is used as draft_len when draft_len is absent); keyword overrides win.
         """
-        config_path = Path(path) / SEED_CONFIG
-        config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        kwargs = {"decoder_layers": config.get("decoder_layers", 2),
-                  "draft_len": config.get("draft_len", config.get("block_size", 4)),
-                  "confidence": config.get("confidence", 0.7),
-                  "adaptive": config.get("adaptive", True)}
+        spec = read_drafter_spec(path)
+        kwargs = {"decoder_layers": spec.decoder_layers, "draft_len": spec.draft_len,
+                  "confidence": spec.confidence, "adaptive": spec.adaptive}
         return cls(model, mode="seed", **{**kwargs, **overrides})
 
     def _check(self) -> None:
@@ -297,29 +285,28 @@ class SpeculativeDecoder:
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  generator: torch.Generator | None = None) -> tuple[list[Completion], SpecStats]:
         """Complete every prompt (token ids). Returns (one Completion per prompt in order, stats)."""
-        if not prompts:
-            return [], SpecStats()
-        self._check()
-        check_prompts(prompts, self.model.get_input_embeddings().num_embeddings)
-        longest = max(len(p) for p in prompts)
-        if longest >= self.max_seq_len:
-            raise ValueError(f"prompt of {longest} tokens leaves no room in max_seq_len={self.max_seq_len}")
-        new_tokens = min(params.max_new_tokens, self.max_seq_len - longest)
-        drafter = self.drafter if self.drafter is not None else self.model
-        with eval_mode(self.model), eval_mode(drafter), torch.inference_mode():
-            return _Run(self, prompts, params, new_tokens, generator).go()
+        stats = SpecStats()
+        if prompts:
+            self._check()  # at every call, like the Engine's lean check: model surgery is seen
+        models = [self.model] if self.drafter is None else [self.model, self.drafter]
+
+        def mode(batch: PaddedPrompts, new_tokens: int) -> SpeculativeMode:
+            return SpeculativeMode(self, batch, params, new_tokens, generator, stats)
+
+        completions = run_generation(models, prompts, params, self.max_seq_len, mode, generator)
+        stats.emitted = sum(len(c.tokens) for c in completions)
+        return completions, stats
 
 
-class _Run:
-    """State of one speculative `generate` call."""
+class SpeculativeMode:
+    """The speculative mode of the engine's token loop, for one `generate` call: its caches and
+    the draft / verify round (the loop does the prefill sampling, stopping and row dropping)."""
 
-    def __init__(self, spec: SpeculativeDecoder, prompts, params: SamplingParams, new_tokens: int,
-                 generator):
+    def __init__(self, spec: SpeculativeDecoder, batch: PaddedPrompts, params: SamplingParams,
+                 new_tokens: int, generator, stats: SpecStats | None = None):
         self.spec, self.params, self.generator = spec, params, generator
-        self.new_tokens = new_tokens
-        self.device = next(spec.model.parameters()).device
-        self.batch = left_pad(prompts, self.device)
-        B, P = self.batch.ids.shape
+        self.device = batch.ids.device
+        B, P = batch.ids.shape
         # Room for every row's valid tokens plus one round in flight (and a drafter sync slot).
         capacity = P + new_tokens + spec.draft_len + 2
         self.target = MaskedCache(spec.model, B, capacity)
@@ -327,75 +314,32 @@ class _Run:
         L = self.target.dims.layers
         self.top_layers = range(L - spec.decoder_layers, L)
         self.all_layers = range(L)
-        self.stats = SpecStats()
-        self.out = [[] for _ in range(B)]
-        self.logprobs = [[] for _ in range(B)]
-        self.reason = [LENGTH] * B
-        self.rows = list(range(B))  # live row -> caller's prompt index
-        stop = params.stop_token_ids
-        self.stop_ids = set(stop)
-        self.stop_seqs = [list(s) for s in params.stop_sequences]
+        self.stats = stats if stats is not None else SpecStats()
 
-    # ------------------------------------------------------------------ bookkeeping
+    def _caches(self) -> list[MaskedCache]:
+        return [self.target] if self.draft_cache is None else [self.target, self.draft_cache]
 
-    def _emit(self, live: int, tokens: list[int], logprobs: list[float]) -> bool:
-        """Append tokens to a live row up to a stop; True when the row is finished."""
-        row = self.rows[live]
-        out = self.out[row]
-        for token, logprob in zip(tokens, logprobs):
-            out.append(token)
-            self.logprobs[row].append(logprob)
-            self.stats.emitted += 1
-            if token in self.stop_ids or any(out[-len(s):] == s for s in self.stop_seqs if len(out) >= len(s)):
-                self.reason[row] = STOP
-                return True
-            if len(out) >= self.new_tokens:
-                return True
-        return False
-
-    def _drop(self, finished: list[bool], *tensors):
-        """Drop finished live rows from the caches and from `tensors` (each (n, ...))."""
-        live = [i for i, done in enumerate(finished) if not done]
-        rows = torch.tensor(live, dtype=torch.long, device=self.device)
-        self.rows = [self.rows[i] for i in live]
-        for cache in (self.target, self.draft_cache):
-            if cache is not None:
-                cache.keep(rows)
-        return [t[rows] for t in tensors]
-
-    # ------------------------------------------------------------------ main loop
-
-    def go(self, max_rounds: int | None = None):
-        """Prefill, sample the first token, then verify rounds until every row is done (or
-        `max_rounds` rounds ran; tests use it to inspect the caches mid-generation)."""
-        b = self.batch
-        logits = self.target.prefill(b.ids, b.positions, b.valid)  # (B, V)
+    def prefill(self, batch: PaddedPrompts) -> torch.Tensor:
+        """Both caches take the prompts; -> the target's last-position logits (B, V)."""
+        logits = self.target.prefill(batch.ids, batch.positions, batch.valid)  # (B, V)
         if self.draft_cache is not None:
-            self.draft_cache.prefill(b.ids, b.positions, b.valid)
-        tokens, logprobs = sample_next(logits, self.params, self.generator)  # (B,), (B,)
-        finished = [self._emit(i, [t], [lp]) for i, (t, lp) in
-                    enumerate(zip(tokens.tolist(), logprobs.tolist()))]
-        x, pos = tokens, b.lengths.clone()  # (n,) last emitted token and its position
-        rounds = 0
-        while max_rounds is None or rounds < max_rounds:
-            rounds += 1
-            if any(finished):
-                x, pos = self._drop(finished, x, pos)
-            if not self.rows:
-                break
-            remaining = torch.tensor([self.new_tokens - len(self.out[r]) for r in self.rows],
-                                     device=self.device)  # (n,) >= 1
-            x, pos, finished = self._round(x, pos, remaining)
-        return [Completion(self.out[i], self.logprobs[i], self.reason[i]) for i in range(len(self.out))], self.stats
+            self.draft_cache.prefill(batch.ids, batch.positions, batch.valid)
+        return logits
 
-    def _round(self, x, pos, remaining):
+    def keep(self, rows: torch.Tensor) -> None:
+        for cache in self._caches():
+            cache.keep(rows)
+
+    def round(self, x: torch.Tensor, pos: torch.Tensor, room: torch.Tensor | int) -> Emitted:
+        """Draft, verify [x, d_1..d_m] in one forward, roll the caches back to what was accepted.
+        x, pos: (n,) last emitted token and its position. -> accepted drafts + the next token."""
         spec, params = self.spec, self.params
         n = x.shape[0]
+        remaining = room if isinstance(room, torch.Tensor) else torch.full_like(x, room)  # (n,) >= 1
         cap = (remaining - 1).clamp(max=spec.draft_len)  # (n,) drafts allowed per row
         K = int(cap.max())
-        self.target.ensure_room(K + 1)
-        if self.draft_cache is not None:
-            self.draft_cache.ensure_room(K + 1)
+        for cache in self._caches():
+            cache.ensure_room(K + 1)
         drafts, limit, qs = self._draft(x, pos, cap, K)  # (n, m), (n,), (n, m, V) | None
         m = drafts.shape[1]
 
@@ -416,16 +360,13 @@ class _Run:
         if self.draft_cache is not None:
             self._sync_drafter(ids, positions, accepted, m)
 
-        emitted = torch.cat([drafts, nxt[:, None]], 1)  # (n, m + 1); row r uses [:a_r] + nxt
+        emitted = torch.cat([drafts, nxt[:, None]], 1)  # (n, m + 1); row r emits [:a_r] + nxt
         emitted.scatter_(1, accepted[:, None], nxt[:, None])
         lp = logp.gather(-1, emitted[..., None]).squeeze(-1)  # (n, m + 1)
         self.stats.steps += n
         self.stats.drafted += int(limit.sum())
         self.stats.accepted += int(accepted.sum())
-        finished = []
-        for i, (a, toks, lps) in enumerate(zip(accepted.tolist(), emitted.tolist(), lp.tolist())):
-            finished.append(self._emit(i, toks[: a + 1], lps[: a + 1]))
-        return nxt, pos + accepted + 1, finished
+        return Emitted(emitted, lp, accepted + 1)
 
     def _draft(self, x, pos, cap, K):
         """Draft up to K tokens for every live row (rows past their own limit keep drafting while
@@ -481,3 +422,7 @@ class _Run:
         start = cache.slot
         cache.run(cache.embed(ids[:, m:]), positions[:, m:], range(cache.dims.layers), start)
         cache.commit(start, need.long())
+
+
+# The name tests/algorithms/test_seed.py patches (`_Run._draft`, `_Run._draft_logits`).
+_Run = SpeculativeMode

@@ -13,6 +13,7 @@ def export_model(model: nn.Module, tokenizer: Any, out_dir: str, algo_name: str)
     tokenizer.save_pretrained(out_dir)
     if hasattr(model, "peft_config"):
         base = getattr(model.peft_config["default"], "base_model_name_or_path", None)
-        with open(f"{out_dir}/README.md", "w") as fh:
+        with open(f"{out_dir}/README.md", "w") as fh:  # out_dir is a temp dir renamed later: name no path of it
             fh.write(f"# {algo_name} LoRA adapter\n\nLoad: `PeftModel.from_pretrained(AutoModelForCausalLM."
-                     f"from_pretrained({base!r}), {out_dir!r})`, or `python -m inference BASE --adapter DIR`.\n")
+                     f"from_pretrained({base!r}), \"<this directory>\")`, or "
+                     f"`python -m inference {base} --adapter <this directory>`.\n")

@@ -5,23 +5,25 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from inference import Engine, SamplingParams
+from inference import Engine, EngineConfig, SamplingParams
 from trainer.distributed import World
 
 EVAL_BATCH = 64
 
 
 def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any], world: World,
-             max_new_tokens: int, prompt: Optional[Callable[[Any], str]] = None) -> dict[str, float]:
+             max_new_tokens: int, prompt: Optional[Callable[[Any], str]] = None,
+             engine_config: Optional[EngineConfig] = None) -> dict[str, float]:
     """Greedy-decode this rank's share of `examples`, verify, and reduce counts over ranks.
 
     `prompt` maps an example to its prompt text (default: the task's student prompt; the
     self-distillation algorithms also measure the teacher prompt, which carries the reference).
     Returns accuracy (final answer right), step_accuracy (share of checkable steps right) and n.
+    `engine_config` configures the inference Engine (None: its defaults).
     """
     prompt = prompt or task.prompt
     mine = list(examples)[world.rank :: world.size]
-    engine = Engine(model)
+    engine = Engine(model, engine_config)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                             stop_token_ids=(tokenizer.eos_token_id,))
     correct = steps_ok = steps_total = 0

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from models.tokenizer import build_char_tokenizer
 
@@ -41,9 +42,91 @@ def test_cli_generates_and_matches_engine(model_dir):
     assert result.stdout.rstrip("\n") == expected and expected
 
 
-@pytest.mark.parametrize("flag", ["--adapter"])
-def test_cli_unsupported_flags_exit_clearly(tmp_path, capsys, flag):
+def test_cli_rejects_a_dir_that_is_not_an_adapter(tmp_path, capsys):
     from inference.__main__ import main
 
-    assert main([str(tmp_path), "--prompt", "1+1=", flag, str(tmp_path)]) != 0
-    assert "not supported yet" in capsys.readouterr().err
+    assert main([str(tmp_path), "--prompt", "1+1=", "--adapter", str(tmp_path)]) != 0
+    assert "adapter_config.json" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- LoRA adapters
+
+
+PROMPT = "12+7="
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory, model_dir) -> Path:
+    """A LoRA adapter on the saved base with random (non-zero) A and B, saved like export_model
+    does: adapter + tokenizer; adapter_config.json names the base dir."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("adapter")
+    torch.manual_seed(1)
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                        init_lora_weights=False)
+    peft_model = get_peft_model(base, config)
+    peft_model.save_pretrained(path)
+    build_char_tokenizer().save_pretrained(path)
+    return path
+
+
+def engine_text(model, tokenizer) -> str:
+    from inference import Engine, SamplingParams
+
+    params = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
+    [out] = Engine(model).generate([tokenizer.encode(PROMPT)], params)
+    return tokenizer.decode(out.tokens, skip_special_tokens=True)
+
+
+def cli_text(capsys, *args: str) -> str:
+    """stdout of an in-process run (a third-party import warning may precede the completion)."""
+    from inference.__main__ import main
+
+    assert main([*args, "--prompt", PROMPT, "--max-new-tokens", str(NEW), "--device", "cpu"]) == 0
+    return capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def merged_and_base_text(model_dir, adapter_dir) -> tuple[str, str]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), adapter_dir).merge_and_unload()
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    return engine_text(merged.eval(), tokenizer), engine_text(base.eval(), tokenizer)
+
+
+def test_cli_serves_a_lora_adapter_on_its_base(capsys, model_dir, adapter_dir, merged_and_base_text):
+    merged, base = merged_and_base_text
+    assert merged and merged != base, "the adapter must change the greedy output, or this test shows nothing"
+    assert cli_text(capsys, str(model_dir), "--adapter", str(adapter_dir)).endswith(merged + "\n")
+
+
+def test_cli_serves_an_adapter_dir_alone(capsys, adapter_dir, merged_and_base_text):
+    """adapter_config.json names the base; models.loading loads it and merges the adapter."""
+    merged, _ = merged_and_base_text
+    assert merged and cli_text(capsys, str(adapter_dir)).endswith(merged + "\n")
+
+
+def test_exported_adapter_readme_names_no_temp_dir(tmp_path, model_dir):
+    """export_model writes into a temp dir that is renamed afterwards: the README must not point
+    there, and its commands must name the recorded base."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from algorithms.opsd import export_model
+
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                                LoraConfig(r=2, target_modules=["q_proj"]))
+    out = tmp_path / "final.tmp"
+    out.mkdir()
+    export_model(peft_model, build_char_tokenizer(), str(out), "opsd")
+    readme = (out / "README.md").read_text()
+    assert "final.tmp" not in readme and str(tmp_path) not in readme
+    assert f"python -m inference {model_dir} --adapter <this directory>" in readme
+    assert f"from_pretrained({str(model_dir)!r})" in readme

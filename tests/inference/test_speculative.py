@@ -9,9 +9,10 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from inference import Engine, SamplingParams
+from inference.engine import left_pad, token_loop
 from inference.lean import LeanBackend, read_dims, rope_tables
 from inference.speculative import (
-    SpeculativeDecoder, _Run, accept_greedy, accept_sampled, target_probs,
+    SpeculativeDecoder, SpeculativeMode, accept_greedy, accept_sampled, target_probs,
 )
 
 VOCAB = 62
@@ -193,13 +194,14 @@ def test_rollback_leaves_plain_decoding_cache(target, prompts, mode):
     params = SamplingParams(max_new_tokens=40, temperature=0.0)
     rows = prompts[:3]
     with torch.inference_mode():
-        run = _Run(spec, rows, params, 40, None)
-        run.go(max_rounds=4)
-    assert len(run.rows) == 3
+        batch = left_pad(rows, torch.device("cpu"))
+        run = SpeculativeMode(spec, batch, params, 40, None)
+        rollout = token_loop(run, batch, params, 40, None, max_rounds=4)
+    assert len(rollout.rows) == 3
     if mode != "external_same":
         assert run.stats.accepted < run.stats.drafted  # some rejection happened
     for r, prompt in enumerate(rows):
-        seen = prompt + run.out[r][:-1]
+        seen = prompt + rollout.emitted_tokens(r)[:-1]
         torch.testing.assert_close(valid_cache(run.target, r), plain_cache(target, seen), atol=1e-5, rtol=0)
         if run.draft_cache is not None:
             torch.testing.assert_close(valid_cache(run.draft_cache, r),

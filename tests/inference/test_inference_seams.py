@@ -1,0 +1,218 @@
+"""The engine's seams, where a change there can break them: one stop rule for every mode, the linear
+op every projection goes through, per-layer routing, K/V written into the cache from outside, the
+engine config, and the exported drafter file shared by trainer and runtime."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inference import Engine, EngineConfig, SamplingParams
+from inference import lean, rollout
+from inference.artifacts import DRAFTER_DEFAULTS, SEED_DRAFTER_FILE, DrafterSpec, read_drafter_spec, write_drafter_spec
+from inference.lean import KVCache, LeanBackend, read_dims, rope_tables
+from inference.rollout import NO_TOKEN, Emitted, Rollout, StopRule
+from inference.speculative import SpeculativeDecoder
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
+
+
+def backend(model, batch: int, max_len: int, **kwargs) -> LeanBackend:
+    return LeanBackend(model, read_dims(model), rope_tables(model, max_len), batch, max_len, **kwargs)
+
+
+def prefill_and_decode(b: LeanBackend, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Prefill all but the last token of ids (1, T), then decode the last: both logits."""
+    T = ids.shape[1]
+    with torch.inference_mode():
+        first = b.prefill(ids[:, :-1], torch.arange(T - 1)[None], torch.ones(1, T - 1, dtype=torch.bool))
+        second = b.decode(ids[:, -1], torch.tensor([T - 1]))
+    return [first, second]
+
+
+# ----------------------------------------------------------------------------- one stop rule
+
+
+def test_stop_rule_matches_across_the_chunk_boundary():
+    rule = StopRule(SamplingParams(stop_token_ids=(9,), stop_sequences=((1, 2, 3), (5,))), torch.device("cpu"))
+    assert rule.history == 2
+    # Rows: history (2 tokens) then a chunk of 3. Row 0: the sequence 1 2 | 3 spans the boundary;
+    # row 1: a stop id inside the chunk; row 2: a short output (NO_TOKEN history) with no stop;
+    # row 3: a one-token sequence at the chunk's end.
+    window = torch.tensor([[1, 2, 3, 4, 4], [0, 0, 7, 9, 7], [NO_TOKEN, NO_TOKEN, 2, 3, 4], [0, 0, 4, 4, 5]])
+    assert rule.hits(window).tolist() == [[True, False, False], [False, True, False],
+                                          [False, False, False], [False, False, True]]
+
+
+def test_rollout_truncates_a_chunk_at_its_first_stop():
+    params = SamplingParams(max_new_tokens=4, stop_sequences=((3, 4),))
+    run = Rollout(3, 4, params, torch.device("cpu"))
+    assert run.record(Emitted(torch.tensor([[3], [3], [1]]), torch.zeros(3, 1))) is None
+    assert run.room() == 3
+    # Row 0 completes 3 4 with its chunk's first token (the rest is dropped); row 1's chunk holds
+    # 2 real tokens of 3 (the third, 4, is filler and must not stop it); row 2 fills its budget.
+    tokens = torch.tensor([[4, 4, 4], [1, 2, 4], [1, 1, 1]])
+    live = run.record(Emitted(tokens, torch.arange(9.0).view(3, 3), torch.tensor([3, 2, 3])))
+    assert live.tolist() == [1] and run.room().tolist() == [1] and not run.done
+    assert run.record(Emitted(torch.tensor([[2, 2, 2]]), torch.zeros(1, 3), torch.tensor([1]))).numel() == 0
+    assert run.done
+    outs = run.completions()
+    assert [o.tokens for o in outs] == [[3, 4], [3, 1, 2, 2], [1, 1, 1, 1]]
+    assert [o.finish_reason for o in outs] == ["stop", "length", "length"]
+    assert outs[0].logprobs == [0.0, 0.0] and outs[1].logprobs == [0.0, 3.0, 4.0, 0.0]
+
+
+def test_both_modes_stop_through_the_one_rule(qwen3, prompts, monkeypatch):
+    calls = []
+    original = rollout.StopRule.hits
+
+    def spy(self, window):
+        calls.append(window.shape[1])
+        return original(self, window)
+
+    monkeypatch.setattr(rollout.StopRule, "hits", spy)
+    free = Engine(qwen3).generate(prompts, GREEDY)
+    seq = tuple(free[0].tokens[4:6])
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, stop_sequences=(seq,))
+    plain = Engine(qwen3).generate(prompts, params)
+    plain_calls, calls[:] = len(calls), []
+    spec = SpeculativeDecoder(qwen3, mode="external", drafter=qwen3, adaptive=False, draft_len=3)
+    outs, _ = spec.generate(prompts, params)
+    assert plain_calls > 0 and calls and max(calls) > 2  # speculative chunks go through it too
+    assert [o.tokens for o in outs] == [o.tokens for o in plain]
+    assert plain[0].finish_reason == "stop" and tuple(plain[0].tokens[-2:]) == seq
+
+
+# ----------------------------------------------------------------------------- the linear op
+
+
+def test_every_projection_goes_through_the_linear_op(qwen3):
+    calls = []
+
+    def recording(x, weight, bias):
+        calls.append(weight)
+        return F.linear(x, weight, bias)
+
+    ids = torch.tensor([[5, 9, 11, 3, 7]])
+    recorded = backend(qwen3, 1, 8, linear=recording)
+    expected = prefill_and_decode(backend(qwen3, 1, 8), ids)
+    got = prefill_and_decode(recorded, ids)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+    layers = qwen3.config.num_hidden_layers
+    assert len(calls) == 2 * (4 * layers + 1)  # q|k|v, o, gate|up, down per layer + lm_head; 2 forwards
+    w = recorded.weights
+    projections = [p for lw in w.layers for p in (lw.qkv, lw.o, lw.gate_up, lw.down)] + [w.lm_head]
+    assert {id(p.weight) for p in projections} == {id(t) for t in calls}
+    assert all(p.op is recording for p in projections)
+    attn = qwen3.model.layers[0].self_attn
+    assert torch.equal(w.layers[0].qkv.weight, torch.cat([attn.q_proj.weight, attn.k_proj.weight,
+                                                           attn.v_proj.weight]))
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+def test_route_is_asked_per_layer_and_dense_changes_nothing(qwen3):
+    seen = []
+
+    def dense_recording(layer, x):
+        seen.append((layer, tuple(x.shape)))
+        return None
+
+    ids = torch.tensor([[5, 9, 11, 3, 7]])
+    got = prefill_and_decode(backend(qwen3, 1, 8, route=dense_recording), ids)
+    for a, b in zip(got, prefill_and_decode(backend(qwen3, 1, 8), ids)):
+        assert torch.equal(a, b)
+    assert seen == [(0, (1, 4, 64)), (1, (1, 4, 64)), (0, (1, 1, 64)), (1, (1, 1, 64))]
+    with pytest.raises(NotImplementedError, match="layer 1"):
+        prefill_and_decode(backend(qwen3, 1, 8, route=lambda layer, x: torch.tensor([0]) if layer else None), ids)
+
+
+# ----------------------------------------------------------------------------- cache contents
+
+
+def test_kv_written_from_outside_is_attended_like_a_prefill(qwen3):
+    """K/V of a prefix copied in with KVCache.write, then a forward over only the new tokens, gives
+    the logits of prefilling the whole sequence."""
+    ids = torch.tensor([[5, 9, 11, 3, 7, 20, 14]])
+    T, P = ids.shape[1], 4
+    full = backend(qwen3, 1, T)
+    part = backend(qwen3, 1, T)
+    with torch.inference_mode():
+        expected = full.prefill(ids, torch.arange(T)[None], torch.ones_like(ids, dtype=torch.bool))
+        for layer in range(qwen3.config.num_hidden_layers):
+            keys, values = full.cache.read(layer, P)  # (1, H_kv, P, D) each
+            part.cache.write(layer, 0, keys.transpose(1, 2), values.transpose(1, 2))
+        # A forward over several new tokens after slot 0 needs its own causal mask (SDPA's
+        # is_causal aligns the query block to key 0).
+        causal = torch.arange(T)[None, :] <= torch.arange(P, T)[:, None]  # (T - P, T)
+        got = lean.forward(part.weights, part.dims, part.blocks, part.rope, ids[:, P:], torch.arange(P, T)[None],
+                           part.cache, P, causal[None, None])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(part.kv, full.kv, atol=1e-5, rtol=0)
+
+
+def test_kv_cache_keep_and_gather_slots():
+    dims = lean.Dims(layers=1, heads=2, kv_heads=1, head_dim=1, eps=1e-6, qk_norm=False)
+    cache = KVCache(dims, 3, 4, torch.float32, torch.device("cpu"))
+    k = torch.arange(12.0).view(3, 4, 1, 1)  # (n, T, H_kv, D): row r, slot t -> 4 r + t
+    cache.write(0, 0, k, -k)
+    cache.key_ok[1, 0, 0, 2] = False
+    cache.keep(torch.tensor([2, 1]), used=4)
+    keys, values = cache.read(0, 4)
+    assert cache.n == 2 and keys[:, 0, :, 0].tolist() == [[8, 9, 10, 11], [4, 5, 6, 7]]
+    assert torch.equal(values, -keys) and cache.key_ok[1, 0, 0].tolist() == [True, True, False, True]
+    cache.gather_slots(torch.tensor([[0, 1, 3], [0, 1, 3]]), used=4)
+    assert cache.read(0, 3)[0][:, 0, :, 0].tolist() == [[8, 9, 11], [4, 5, 7]]
+    assert cache.key_ok[1, 0, 0, :3].tolist() == [True, True, True]
+
+
+# ----------------------------------------------------------------------------- engine config
+
+
+def test_engine_config_round_trip_and_use(qwen3, prompts):
+    config = EngineConfig(max_seq_len=12, use_lean=False, compile=False)
+    assert EngineConfig.from_dict(config.to_dict()) == config
+    assert EngineConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    assert EngineConfig().to_dict() == {"max_seq_len": None, "use_lean": None, "compile": False}
+    with pytest.raises(ValueError, match="max_seq"):
+        EngineConfig.from_dict({"max_seq": 3})
+    engine = Engine(qwen3, config)
+    assert engine.max_seq_len == 12 and not engine.lean_active() and engine.config == config
+    by_keywords = Engine(qwen3, max_seq_len=12, use_lean=False)
+    assert by_keywords.config == config
+    longest = max(map(len, prompts))
+    assert [len(o.tokens) for o in engine.generate(prompts, GREEDY)] == [12 - longest] * len(prompts)
+    overridden = Engine(qwen3, config, use_lean=None, max_seq_len=None)  # a passed keyword wins
+    assert overridden.config == EngineConfig() and overridden.lean_active()
+    assert overridden.max_seq_len == qwen3.config.max_position_embeddings
+
+
+# ----------------------------------------------------------------------------- exported files
+
+
+def test_drafter_spec_defaults_are_shared_by_trainer_and_runtime(tmp_path, qwen3):
+    from algorithms.seed import DRAFTER_FILE, SEEDConfig
+
+    cfg = SEEDConfig()
+    assert DRAFTER_FILE == SEED_DRAFTER_FILE == "seed_drafter.json"
+    assert DRAFTER_DEFAULTS == DrafterSpec(2, 4, 4, 0.7, True)
+    assert (cfg.decoder_layers, cfg.block_size, cfg.draft_len, cfg.confidence, cfg.adaptive) == (2, 4, 4, 0.7, True)
+    spec = SpeculativeDecoder(qwen3)
+    assert (spec.decoder_layers, spec.draft_len, spec.confidence, spec.adaptive) == (2, 4, 0.7, True)
+    assert read_drafter_spec(tmp_path) == DRAFTER_DEFAULTS
+
+
+def test_drafter_spec_write_read(tmp_path):
+    spec = DrafterSpec(decoder_layers=3, block_size=5, draft_len=6, confidence=0.5, adaptive=False)
+    path = write_drafter_spec(tmp_path, spec)
+    assert path == tmp_path / SEED_DRAFTER_FILE and sorted(p.name for p in tmp_path.iterdir()) == [SEED_DRAFTER_FILE]
+    assert json.loads(path.read_text()) == spec.to_dict() and read_drafter_spec(tmp_path) == spec
+    write_drafter_spec(tmp_path, DRAFTER_DEFAULTS)  # replaces the file
+    assert read_drafter_spec(tmp_path) == DRAFTER_DEFAULTS
+    # Older files without draft_len drafted one training block; unknown keys are ignored.
+    path.write_text(json.dumps({"block_size": 6, "from_the_future": 1}))
+    assert read_drafter_spec(tmp_path) == DrafterSpec(block_size=6, draft_len=6)
