@@ -57,7 +57,7 @@ from algorithms.rollouts import completion_mask, encode, sample
 from algorithms.scoring import detached_head, teacher_hidden
 from algorithms.teacher import SelfTeacher
 from inference.artifacts import DRAFTER_DEFAULTS as DRAFTER, SEED_DRAFTER_FILE, DrafterSpec, write_drafter_spec
-from models.anatomy import causal_lm, output_head
+from models.anatomy import causal_lm, decoder_layers as decoder_layers_of, final_hidden, output_head
 from models.export import export_model
 
 log = logging.getLogger(__name__)
@@ -108,10 +108,7 @@ class SEEDConfig:
 
 def check_split(model: nn.Module, decoder_layers: int) -> None:
     lm = causal_lm(model)
-    layers = getattr(getattr(lm, "model", None), "layers", None)
-    if layers is None:
-        raise ValueError(f"SEED needs a decoder-only model with model.layers; got {type(lm).__name__}")
-    n = len(layers)
+    n = len(decoder_layers_of(model, user="SEED"))
     if not 1 <= decoder_layers < n:
         raise ValueError(f"algo.decoder_layers={decoder_layers} must be >= 1 and < the model's {n} layers")
     types = getattr(lm.config, "layer_types", None) or []
@@ -162,25 +159,21 @@ def full_forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One full forward (through any wrapper, with grad): (final normed hidden (B, T, H), the input
     hidden states of each of the top `decoder_layers` layers, bottom first)."""
-    lm = causal_lm(model)
-    layers = lm.model.layers[len(lm.model.layers) - decoder_layers:]
-    store: dict[str, Any] = {"inputs": []}
+    layers = decoder_layers_of(model, user="SEED")
+    inputs: list[torch.Tensor] = []
 
     def pre_hook(module, args, kwargs):
-        store["inputs"].append(args[0] if args else kwargs["hidden_states"])
+        inputs.append(args[0] if args else kwargs["hidden_states"])
 
-    def out_hook(module, args, out):
-        store["hidden"] = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-
-    handles = [layer.register_forward_pre_hook(pre_hook, with_kwargs=True) for layer in layers]
-    handles.append(lm.model.register_forward_hook(out_hook))
+    top = layers[len(layers) - decoder_layers:]
+    handles = [layer.register_forward_pre_hook(pre_hook, with_kwargs=True) for layer in top]
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1)
+        hidden = final_hidden(model, input_ids, attention_mask)
     finally:
         for h in handles:
             h.remove()
-    assert len(store["inputs"]) == decoder_layers
-    return store["hidden"], store["inputs"]
+    assert len(inputs) == decoder_layers
+    return hidden, inputs
 
 
 def decoder_pass(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

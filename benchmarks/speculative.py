@@ -27,8 +27,8 @@ training run's own evals. One thread; last line JSON.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import copy
+import dataclasses
 import hashlib
 import json
 import os
