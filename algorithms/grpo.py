@@ -290,7 +290,7 @@ class GRPO:
 
     def exposure(self, micro: Batch) -> torch.Tensor:
         """(B, T) |dL/dlogp| per token as known before the forward (rho taken as 1): |A| x the token's
-        weight. Tokens of zero-advantage rows are not exposed at all (trainer/activations.py)."""
+        weight. Tokens of zero-advantage rows are not exposed at all (trainer/activations/)."""
         return micro.policy.advantages.abs().unsqueeze(1) * self.token_weights(micro)
 
     def loss(self, model: nn.Module, micro: Batch, normaliser: torch.Tensor) -> StepOutput:

@@ -2,7 +2,7 @@
 reference, aggregated, with only reliable token corrections transferred.
 
 Paper: Shen, Hou, Bi et al., "Multi-Mask Selective Self-Distillation" (no public code; our reading
-and its formulas: docs/mass.md). Per step, on top of OPSD (algorithms/opsd.py):
+and its formulas: docs/mass.md). Per step, on top of OPSD (algorithms/opsd.py; shared pieces in algorithms/selfdistill.py):
 1. Split each reference into spans (`span_unit`: the task's solution steps, sentences, or windows of
    `span_tokens` tokens) and build `num_views` views, each masking round(mask_ratio x spans) spans
    with the task's mask token. The K teacher passes run batched.

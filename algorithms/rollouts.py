@@ -59,8 +59,6 @@ def rollout_metrics(task: Any, tokenizer: Any, examples: Sequence[Any], completi
 
 
 def require_references(examples: Sequence[Any], algo_name: str) -> None:
-    from tasks import DataError
-
     for ex in examples:
         if not ex.solution or not ex.solution.strip():
             raise DataError(f"{algo_name} needs a reference solution for every question; example {ex.uid} "

@@ -27,20 +27,15 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
-
+from models.loading import random_qwen3  # noqa: E402
 from trainer.prompt_sharing import flattened_logprobs, plan_replay, shared_prompt_logprobs  # noqa: E402
 
 VOCAB = 62
 
 
 def build_model(hidden: int, layers: int, heads: int, intermediate: int, max_pos: int, seed: int = 0):
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                         head_dim=hidden // heads, max_position_embeddings=max_pos, tie_word_embeddings=True,
-                         pad_token_id=0)
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(config)
+    return random_qwen3(VOCAB, seed=seed, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                        intermediate_size=intermediate, max_positions=max_pos, pad_token_id=0)
 
 
 def make_group(prompt_len: int, group: int, response_len: int, seed: int = 1):

@@ -34,19 +34,17 @@ def peak_mb() -> float:
 
 def run_mode(mode: str, tokens: int, views: int, chunk: int, hidden: int) -> dict:
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from algorithms import losses
     from algorithms.base import Batch, TeacherTerms
     from algorithms.mass import MASSConfig
     from algorithms.selfdistill import distill_loss
+    from models.loading import random_qwen3
 
     torch.manual_seed(0)
     torch.set_num_threads(2)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=hidden // 2,
-                         max_position_embeddings=tokens + 8, tie_word_embeddings=True)
-    model = Qwen3ForCausalLM(config)
+    model = random_qwen3(VOCAB, seed=None, hidden_size=hidden, num_heads=2, intermediate_size=2 * hidden,
+                         max_positions=tokens + 8)  # seeded above
     ids = torch.randint(0, VOCAB, (1, tokens))
     mask = torch.ones_like(ids)
     loss_mask = torch.ones_like(ids)

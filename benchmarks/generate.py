@@ -39,10 +39,11 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from inference import Engine, SamplingParams  # noqa: E402
+from models.loading import random_qwen3  # noqa: E402
 
 SEED = 0
 ROLLOUT_BATCH = 32
@@ -54,13 +55,8 @@ FIRST_PROMPT_ID = 3
 
 
 def tiny_qwen3() -> Qwen3ForCausalLM:
-    torch.manual_seed(SEED)
-    config = Qwen3Config(
-        vocab_size=62, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, head_dim=32, tie_word_embeddings=True,
-        max_position_embeddings=512, initializer_range=TINY_INIT_RANGE,
-    )
-    return Qwen3ForCausalLM(config).eval()
+    return random_qwen3(62, seed=SEED, hidden_size=128, num_layers=4, num_heads=4, intermediate_size=512,
+                        max_positions=512, initializer_range=TINY_INIT_RANGE).eval()
 
 
 def random_prompts(n: int, lengths: tuple[int, int], vocab: int) -> list[list[int]]:

@@ -10,7 +10,20 @@ Modules: engine (the one decoding loop, its preamble and the Engine), rollout (o
 the stop rule), lean (our decoder forward, KV cache), hf_backend (HF-forward fallback), sampling,
 speculative (a decoding mode of the loop), artifacts (files the trainer exports for the runtime).
 """
-from inference.engine import Completion, Engine, EngineConfig
-from inference.sampling import SamplingParams
+from __future__ import annotations
 
-__all__ = ["Completion", "Engine", "EngineConfig", "SamplingParams"]
+import importlib
+from typing import Any
+
+# Loaded on first use: `inference.artifacts` (file names and defaults, read by the trainer's config
+# and export code) must not pull in the engine and transformers with it.
+_LAZY = {"Completion": "inference.engine", "Engine": "inference.engine", "EngineConfig": "inference.engine",
+         "SamplingParams": "inference.sampling"}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'inference' has no attribute {name!r}")

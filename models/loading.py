@@ -29,22 +29,32 @@ class TinySpec:
     intermediate_size: int = 512
 
 
+def qwen3_config(vocab_size: int, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                 intermediate_size: int = 128, *, kv_heads: int | None = None, head_dim: int | None = None,
+                 max_positions: int = 256, **extra) -> Qwen3Config:
+    """The config of a small Qwen3 (RMSNorm, RoPE, q/k-norm, SwiGLU, tied embeddings unless `extra`
+    says otherwise): the one builder of the embedded model, the tests' and the benchmarks' models.
+    `extra` passes any other Qwen3Config field (initializer_range, pad_token_id, ...)."""
+    return Qwen3Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=kv_heads or num_heads, head_dim=head_dim or hidden_size // num_heads,
+        max_position_embeddings=max_positions, **{"tie_word_embeddings": True, **extra})
+
+
+def random_qwen3(vocab_size: int, *, seed: int | None = 0, **config) -> Qwen3ForCausalLM:
+    """A randomly initialised small Qwen3 (`qwen3_config` keys). Seeds the global RNG with `seed`
+    first (None: leaves it as it is), as the tests and benchmarks expect."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    return Qwen3ForCausalLM(qwen3_config(vocab_size, **config))
+
+
 def tiny_config(spec: TinySpec, tokenizer: PreTrainedTokenizerBase) -> Qwen3Config:
     head_dim = min(TINY_HEAD_DIM, spec.hidden_size // spec.num_heads)
-    return Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_heads,
-        head_dim=head_dim,
-        max_position_embeddings=TINY_MAX_POSITIONS,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
+    return qwen3_config(len(tokenizer), spec.hidden_size, spec.num_layers, spec.num_heads, spec.intermediate_size,
+                        head_dim=head_dim, max_positions=TINY_MAX_POSITIONS, pad_token_id=tokenizer.pad_token_id,
+                        eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
 
 
 def build_tiny(spec: TinySpec, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

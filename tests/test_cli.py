@@ -51,3 +51,35 @@ def test_non_utf8_data_file_is_a_one_line_data_error(tmp_path, subprocess_env):
     assert proc.stderr.strip().splitlines() == [f"data error: {data}: not UTF-8 text (byte 0xe9 at offset 17); "
                                                 "save the file as UTF-8"]
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_an_exported_adapter_dir_is_a_model_path_everywhere(tmp_path, subprocess_env):
+    """LoRA training exports a PEFT adapter; evaluate.py, train.py and the CLI take that directory as
+    a model (its adapter_config.json names the base, loaded and merged through models.loading)."""
+    from models.loading import TinySpec, build_tiny
+
+    base = tmp_path / "base"
+    model, tok = build_tiny(TinySpec(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128), seed=0)
+    model.save_pretrained(base)
+    tok.save_pretrained(base)
+    lora = tmp_path / "lora"
+    args = [a for a in tiny_overrides(lora, "trainer.max_steps=1", algo="opsd") if not a.startswith("model")]
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, "model=hf", f"model.path={base}",
+                           "algo.lora_rank=4", "trainer.max_new_tokens=16"],
+                          env=subprocess_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    adapter = lora / "final"
+    assert (adapter / "adapter_config.json").exists() and not (adapter / "config.json").exists()
+    readme = (adapter / "README.md").read_text()
+    assert ".tmp" not in readme and f"python -m inference {base} --adapter" in readme
+    ev = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), f"model.path={adapter}", "data=arith",
+                         "data.digits=2", "data.steps=1", "data.n_train=64", "data.n_test=4",
+                         "trainer.eval_examples=4", "trainer.eval_max_new_tokens=16"],
+                        env=subprocess_env, capture_output=True, text=True, timeout=300)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert json.loads(ev.stdout.strip().splitlines()[-1])["n"] == 4
+    more = [a for a in tiny_overrides(tmp_path / "more", "trainer.max_steps=1") if not a.startswith("model")]
+    tr = subprocess.run([sys.executable, str(ROOT / "train.py"), *more, "model=hf", f"model.path={adapter}"],
+                        env=subprocess_env, capture_output=True, text=True, timeout=300)
+    assert tr.returncode == 0, tr.stderr[-3000:]
+    assert (tmp_path / "more" / "final" / "config.json").exists()  # continued from the merged weights

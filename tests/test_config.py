@@ -125,3 +125,15 @@ def test_sizes_that_make_a_run_meaningless_are_refused(override):
     key, value = override.split("=")
     with pytest.raises(ConfigError, match=rf"^{key}={value} must be > 0$"):
         load_config(["+algo=grpo", override], config_schemas())
+
+
+def test_model_path_takes_a_model_or_an_adapter_directory(tmp_path):
+    from algorithms import config_schemas
+    from trainer.config import ConfigError, load_config
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    assert load_config(["+algo=sft", "model=hf", f"model.path={adapter}"], config_schemas()).model.path == str(adapter)
+    with pytest.raises(ConfigError, match="no config.json or adapter_config.json there"):
+        load_config(["+algo=sft", "model=hf", f"model.path={tmp_path}"], config_schemas())

@@ -106,6 +106,10 @@ class TrainerConfig:
     keep_last: int = 2
     resume: str = "auto"  # auto | never | PATH
     max_new_tokens: int = 160  # rollout length for on-policy algorithms
+    # The inference engine of rollouts and eval (inference.EngineConfig): null = the lean decoder when the
+    # model allows it, false = always the HF forward, true = require the lean decoder; compile: torch.compile it.
+    engine_use_lean: Optional[bool] = None
+    engine_compile: bool = False
     # Actor-update memory/compute (trainer/activations/): none | checkpoint (every block recomputed) |
     # hilore (per-block full / compressed / recomputed, planned under the budgets below). Declared,
     # defaulted and validated by trainer/activations/options.py::ActivationConfig (trainer.activation_X
@@ -271,8 +275,9 @@ def _validate_model_path(model: ModelConfig) -> None:
         return
     path = os.path.expanduser(model.path)
     if os.path.isdir(path):
-        if not os.path.exists(os.path.join(path, "config.json")):
-            raise ConfigError(f"model.path={model.path}: no config.json there (not a Hugging Face model directory)")
+        if not any(os.path.exists(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
+            raise ConfigError(f"model.path={model.path}: no config.json or adapter_config.json there (not a Hugging "
+                              "Face model or PEFT adapter directory)")
         return
     looks_like_hub_id = model.path.count("/") == 1 and not model.path.startswith((".", "/", "~"))
     if not looks_like_hub_id:

@@ -17,6 +17,7 @@ import torch
 
 from algorithms.base import Algorithm, Batch, Capabilities, RolloutContext
 from algorithms.losses import logprob_gap
+from inference import EngineConfig
 from models.anatomy import no_kv_cache
 from trainer import checkpoint
 from trainer.distributed import World
@@ -113,7 +114,12 @@ def fit(s: Session) -> str:
 
 def rollout_context(s: Session) -> RolloutContext:
     return RolloutContext(s.task, s.tokenizer, s.generator, s.world.device, s.cfg.trainer.max_new_tokens,
-                          policy_fn=s.backend.full_model, world=s.world)
+                          policy_fn=s.backend.full_model, world=s.world, engine_config=engine_config(s.cfg.trainer))
+
+
+def engine_config(t) -> EngineConfig:
+    """The inference engine of rollouts and eval, from the trainer.engine_* keys."""
+    return EngineConfig(use_lean=t.engine_use_lean, compile=t.engine_compile)
 
 
 def train_step(s: Session, batch: Batch) -> dict:
@@ -182,10 +188,11 @@ def run_eval(s: Session) -> dict:
     t = s.cfg.trainer
     examples = list(s.task.test_examples())[: t.eval_examples]
     model = s.backend.full_model()
-    result = evaluate(model, s.tokenizer, s.task, examples, s.world, t.eval_max_new_tokens)
+    engine = engine_config(t)
+    result = evaluate(model, s.tokenizer, s.task, examples, s.world, t.eval_max_new_tokens, engine_config=engine)
     if s.cfg.algo.traits.needs_reference:
         teacher = evaluate(model, s.tokenizer, s.task, examples, s.world, t.eval_max_new_tokens,
-                           prompt=lambda ex: s.task.teacher_prompt(ex, ex.solution))
+                           prompt=lambda ex: s.task.teacher_prompt(ex, ex.solution), engine_config=engine)
         result["teacher_accuracy"] = teacher["accuracy"]
     drafter = s.caps.evaluate_drafter
     if drafter is not None and s.world.is_main:  # e.g. SEED: mean tokens per verify forward, greedy

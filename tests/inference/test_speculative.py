@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from inference import Engine, SamplingParams
 from inference.engine import left_pad, token_loop
@@ -14,6 +13,7 @@ from inference.lean import LeanBackend, read_dims, rope_tables
 from inference.speculative import (
     SpeculativeDecoder, SpeculativeMode, accept_greedy, accept_sampled, target_probs,
 )
+from models.loading import random_qwen3
 
 VOCAB = 62
 NEW = 24
@@ -31,13 +31,7 @@ def chi2_critical(dof: int) -> float:
 
 def make(layers: int = 6, seed: int = 0, vocab: int = VOCAB) -> torch.nn.Module:
     """A tiny Qwen3 with a wide init, so a random model's greedy output is not one repeated token."""
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        initializer_range=0.2, tie_word_embeddings=True,
-    )
-    return Qwen3ForCausalLM(config).eval()
+    return random_qwen3(vocab, seed=seed, num_layers=layers, kv_heads=2, head_dim=16, initializer_range=0.2).eval()
 
 
 def perturbed(model: torch.nn.Module, scale: float = 0.03, seed: int = 5) -> torch.nn.Module:
@@ -294,11 +288,7 @@ def test_cli_speculative_matches_plain(tmp_path, capsys):
     from models.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        initializer_range=0.2, tie_word_embeddings=True))
+    model = random_qwen3(len(tokenizer), seed=0, num_layers=4, kv_heads=2, head_dim=16, initializer_range=0.2)
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     (tmp_path / "seed_drafter.json").write_text(json.dumps({"decoder_layers": 1, "draft_len": 3}))
@@ -337,11 +327,8 @@ def test_benchmark_depth_upscaling_keeps_the_function(tmp_path):
     from models.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
-    torch.manual_seed(0)
-    source = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-        initializer_range=0.2))
+    source = random_qwen3(len(tokenizer), seed=0, hidden_size=32, intermediate_size=64, kv_heads=2, head_dim=8,
+                          max_positions=64, initializer_range=0.2, tie_word_embeddings=False)
     source.save_pretrained(tmp_path / "src")
     tokenizer.save_pretrained(tmp_path / "src")
     build_upscaled(str(tmp_path / "src"), 6, str(tmp_path / "deep"))

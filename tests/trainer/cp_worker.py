@@ -12,8 +12,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import Qwen3ForCausalLM  # noqa: E402
 
+from models.loading import random_qwen3  # noqa: E402
 from trainer.context_parallel import ContextParallel  # noqa: E402
 from trainer.prompt_sharing import flattened_logprobs  # noqa: E402
 
@@ -21,11 +22,7 @@ TEMPERATURE = 0.8
 
 
 def build_model(seed: int = 0) -> Qwen3ForCausalLM:
-    config = Qwen3Config(vocab_size=62, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                         tie_word_embeddings=True, pad_token_id=0)
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(config)
+    return random_qwen3(62, seed=seed, kv_heads=2, head_dim=16, pad_token_id=0)
 
 
 def case(prompt_len: int, response_lens: list[int], seed: int = 1):

@@ -204,3 +204,30 @@ def test_wandb_offline_without_key_writes_run_files(tmp_path, monkeypatch):
     session, _ = _run(tiny_config(out, "trainer.max_steps=1", "logging.wandb=true"))
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
+
+
+@pytest.mark.slow  # two short runs
+def test_engine_keys_reach_rollouts_and_eval(tmp_path):
+    """trainer.engine_use_lean=false runs every rollout and eval on the HF forward: the same greedy
+    tokens as the lean decoder, so the same eval figures and, for an on-policy algorithm, the same
+    rollouts and losses."""
+    runs = {}
+    for name, extra in (("lean", []), ("hf", ["trainer.engine_use_lean=false"])):
+        out = tmp_path / name
+        cfg = tiny_config(out, "trainer.max_steps=2", "trainer.eval_every=2", "trainer.max_new_tokens=16",
+                          "algo.num_generations=2", "trainer.batch_size=4", *extra, algo="grpo")
+        session, status = _run(cfg)
+        assert status == "done" and session.cfg.trainer.engine_use_lean is (None if name == "lean" else False)
+        runs[name] = (_records(out), _records(out, "eval"))
+    (lean_train, lean_eval), (hf_train, hf_eval) = runs["lean"], runs["hf"]
+    assert [(r["accuracy"], r["step_accuracy"]) for r in lean_eval] == [(r["accuracy"], r["step_accuracy"]) for r in hf_eval]
+    assert [r["rollout/length"] for r in lean_train] == [r["rollout/length"] for r in hf_train]
+    assert [r["loss"] for r in hf_train] == pytest.approx([r["loss"] for r in lean_train], rel=1e-4, abs=1e-6)
+
+
+def test_engine_keys_build_the_engine_config(tmp_path):
+    from inference import EngineConfig
+    from trainer.loop import engine_config
+
+    t = tiny_config(tmp_path, "trainer.engine_use_lean=true", "trainer.engine_compile=true").trainer
+    assert engine_config(t) == EngineConfig(use_lean=True, compile=True)
