@@ -1,1 +1,2 @@
-"""The shared training loop, distributed backends, checkpoints, tracking, and data (tasks + verifiers)."""
+"""The shared training loop and what it runs on: setup, distributed backends, checkpoints, tracking,
+the prompt stream, the default model's warm-start stage, HiLoRe activations and AugTree replay."""
