@@ -18,14 +18,14 @@ import yaml
 from algorithms import build_algorithm
 from algorithms.base import Algorithm, Capabilities, capabilities
 from models.loading import build_tiny, load_pretrained
+from tasks import build_task
 from trainer import checkpoint, default_model
 from trainer.backends import build_backend
 from trainer.config import DataConfig, ModelConfig, TrainConfig, to_dict
-from tasks import build_task
-from trainer.stream import PromptStream
 from trainer.distributed import World
 from trainer.loop import Session, resume
 from trainer.prompt_sharing import shared_prompt_logprobs
+from trainer.stream import PromptStream
 from trainer.tracking import Tracker
 
 ROLLOUT_SEED_OFFSET = 1_000_003  # rollout sampling stream, distinct per rank
