@@ -231,3 +231,15 @@ def test_engine_keys_build_the_engine_config(tmp_path):
 
     t = tiny_config(tmp_path, "trainer.engine_use_lean=true", "trainer.engine_compile=true").trainer
     assert engine_config(t) == EngineConfig(use_lean=True, compile=True)
+
+
+@pytest.mark.slow  # torch.compile: tens of seconds on CPU
+def test_engine_compile_key_runs_eval_through_the_compiled_decoder(tmp_path):
+    evals = {}
+    for name, extra in (("eager", []), ("compiled", ["trainer.engine_compile=true"])):
+        out = tmp_path / name
+        session, status = _run(tiny_config(out, "trainer.max_steps=1", "trainer.eval_examples=4",
+                                           "trainer.eval_max_new_tokens=16", *extra))
+        assert status == "done"
+        evals[name] = [(r["accuracy"], r["step_accuracy"], r["n"]) for r in _records(out, "eval")]
+    assert evals["compiled"] == evals["eager"] and len(evals["eager"]) == 2
