@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import json
 import os
 import shutil
@@ -70,6 +71,8 @@ def _build_if_needed(m, path: str) -> None:
         if problem != "missing":
             print(f"warning: refusing the cache entry {path} ({problem}); rebuilding it", flush=True)
             _discard(path)
+        for stale in glob.glob(f"{glob.escape(path)}.tmp-*"):  # a builder killed outright (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
         print(f"building the warm-started tiny model (once) in {path}", flush=True)
         build(m, path)
 

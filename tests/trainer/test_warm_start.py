@@ -163,3 +163,13 @@ def test_two_processes_on_a_cold_cache_build_once(tmp_path, subprocess_env):
     assert stdout.count("building the warm-started tiny model") == 1
     assert len(_entries(tmp_path)) == 1
     assert all((tmp_path / f"run{i}" / "final" / "config.json").exists() for i in range(2))
+
+
+@pytest.mark.slow  # warm-start build
+def test_a_killed_builders_temporary_directory_is_removed(tmp_path, monkeypatch):
+    monkeypatch.setattr(warm_start, "WARM_EVAL_EXAMPLES", 4)
+    m = _cfg(tmp_path)
+    stale = f"{default_model.cache_path(m)}.tmp-999999"  # left by a builder killed outright (SIGKILL)
+    os.makedirs(os.path.join(stale, "final"))
+    _tiny_model(m)
+    assert not os.path.exists(stale) and default_model.entry_problem(m) is None
