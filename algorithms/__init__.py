@@ -5,6 +5,7 @@ A test checks this registry matches configs/algo/*.yaml.
 from algorithms.grpo import GRPO, GRPOConfig
 from algorithms.mass import MASS, MASSConfig
 from algorithms.opsd import OPSD, OPSDConfig
+from algorithms.qad import QAD, QADConfig
 from algorithms.seed import SEED, SEEDConfig
 from algorithms.sft import SFT, SFTConfig
 from algorithms.tesd import TESD, TESDConfig
@@ -17,6 +18,7 @@ REGISTRY: dict[str, tuple[type, type]] = {
     "tesd": (TESDConfig, TESD),
     "grpo": (GRPOConfig, GRPO),
     "seed": (SEEDConfig, SEED),
+    "qad": (QADConfig, QAD),
 }
 
 

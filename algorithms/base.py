@@ -2,7 +2,7 @@
 
 An algorithm never touches process groups, optimizers or files. The contract is `Algorithm` below;
 optional capabilities (`ChecksTask`, `GroupedRollouts`, `SharesPrompts`, `ExposesTokens`,
-`EvaluatesDrafter`) are typed protocols resolved once at setup into `Capabilities`, and the config
+`EvaluatesDrafter`, `Scheduled`) are typed protocols resolved once at setup into `Capabilities`, and the config
 declares `Traits`. The trainer (trainer/loop.py) calls, per step,
 
     batch = algo.make_batch(examples, ctx)       # no grad: rollouts, teacher passes, rewards
@@ -33,6 +33,7 @@ class TeacherTerms:
 
     hidden: Tensor  # (B, T, K, H) teacher final hidden states predicting token t, under K prompts
     head: Head  # the teacher's output head (V, H) when the batch was made: shared by all rows, never split
+    boundaries: Optional[Tensor] = None  # (B, T, S, H) teacher states at block boundaries (QAD's segments)
 
 
 @dataclass
@@ -222,6 +223,21 @@ class EvaluatesDrafter(Protocol):
                          max_new_tokens: int) -> dict[str, float]: ...
 
 
+@runtime_checkable
+class Scheduled(Protocol):
+    def plan(self, max_steps: int) -> Any:
+        """Lay out a schedule over the run's budget (called once at setup, after prepare_model)."""
+
+
+@runtime_checkable
+class ChecksRun(Protocol):
+    """An algorithm config whose values are checked against the budget and the model's layout."""
+
+    def check_run(self, max_steps: int, skeleton: Optional[Callable[[], torch.nn.Module]]) -> None:
+        """Raise ValueError naming the key; `skeleton()` builds the model on the meta device (None:
+        the layout is not known before loading)."""
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What the trainer may ask of one algorithm beyond the contract, resolved once at setup."""
@@ -232,6 +248,7 @@ class Capabilities:
     exposure: Optional[Callable[[Batch], Tensor]] = None
     evaluate_drafter: Optional[Callable[..., dict]] = None
     summary_metrics: dict[str, str] = field(default_factory=dict)
+    plan: Optional[Callable[[int], Any]] = None
 
 
 def capabilities(algo: Any) -> Capabilities:
@@ -249,6 +266,7 @@ def capabilities(algo: Any) -> Capabilities:
         exposure=algo.exposure if isinstance(algo, ExposesTokens) else None,
         evaluate_drafter=algo.evaluate_drafter if drafter else None,
         summary_metrics=dict(algo.summary_metrics) if drafter else {},
+        plan=algo.plan if isinstance(algo, Scheduled) else None,
     )
 
 
@@ -259,6 +277,7 @@ class Traits:
     needs_reference: bool = False  # the teacher prompt carries the reference solution
     prompt_sharing: bool = False  # samples groups of responses per prompt: trainer.prompt_sharing applies
     fsdp: bool = True  # runs under backend=fsdp
+    zero_steps: bool = False  # trainer.max_steps=0 is meaningful (evaluate and export without training)
 
 
 def pad_right(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -93,5 +93,11 @@ def _load_adapter(path: str, dtype: str, trust_remote_code: bool):
     return PeftModel.from_pretrained(model, path).merge_and_unload(), tokenizer
 
 
+def meta_model(config) -> PreTrainedModel:
+    """The causal LM of `config` on the meta device: its module layout without allocating weights."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())

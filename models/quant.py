@@ -226,7 +226,7 @@ def check_keep(model: nn.Module, keep: Sequence[str]) -> None:
     names = [n for n, _ in causal_lm(model).named_modules() if n]
     for pattern in keep:
         if not any(kept(n, [pattern]) for n in names):
-            raise ValueError(f"quantization keep pattern {pattern!r} matches no module of the model "
+            raise ValueError(f"keep pattern {pattern!r} matches no module of the model "
                              f"(module names look like {names[-1]!r})")
 
 

@@ -228,6 +228,7 @@ CHOICES = {
 
 def validate(cfg: TrainConfig) -> None:
     """Value checks the type system cannot express. Nothing here touches the disk except to read."""
+    from algorithms.base import ChecksRun
     for key, allowed in CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
@@ -239,13 +240,15 @@ def validate(cfg: TrainConfig) -> None:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     # Sizes that would make a run meaningless (rollouts or evals of nothing report accuracy 0) are refused.
+    traits = cfg.algo.traits  # declared by every algorithm config (algorithms.base.Traits)
     for key in ("max_steps", "batch_size", "micro_batch_size", "eval_every", "save_every", "keep_last",
                 "max_new_tokens", "eval_examples", "eval_max_new_tokens"):
+        if key == "max_steps" and traits.zero_steps and t.max_steps == 0:
+            continue  # e.g. qad's ptq: evaluate and export the untrained student
         if getattr(t, key) <= 0:
             raise ConfigError(f"trainer.{key}={getattr(t, key)} must be > 0")
     if t.lr <= 0:
         raise ConfigError(f"trainer.lr={t.lr} must be > 0")
-    traits = cfg.algo.traits  # declared by every algorithm config (algorithms.base.Traits)
     if t.prompt_sharing and not traits.prompt_sharing:
         raise ConfigError(f"trainer.prompt_sharing=true: algo {cfg.algo.name} does not sample groups of responses "
                           "per prompt (use it with +algo=grpo)")
@@ -259,6 +262,8 @@ def validate(cfg: TrainConfig) -> None:
     _validate_model_path(cfg.model)
     try:
         cfg.algo.validate()  # every algorithm config checks its own values
+        if isinstance(cfg.algo, ChecksRun):  # ... and some against the budget and the model's layout
+            cfg.algo.check_run(t.max_steps, model_skeleton(cfg.model))
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if traits.needs_reference and cfg.data.name == "text" and not cfg.data.solution_field:
@@ -268,6 +273,31 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("model=hf needs model.path=DIR (a local model directory, or a hub id when online)")
     if cfg.data.name == "text" and not cfg.data.path:
         raise ConfigError("data=text needs data.path=FILE|DIR|HUB_NAME")
+
+
+def model_skeleton(m: ModelConfig):
+    """A function building the configured model on the meta device (module layout, no weights), or
+    None when the layout is not known before loading (a hub id, a PEFT adapter dir)."""
+    if m.path is None:
+        def tiny():
+            from models.loading import meta_model, tiny_config
+            from models.tokenizer import build_char_tokenizer
+
+            from trainer.default_model import spec
+
+            return meta_model(tiny_config(spec(m), build_char_tokenizer()))
+        return tiny
+    path = os.path.expanduser(m.path)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        return None
+
+    def local():
+        from transformers import AutoConfig
+
+        from models.loading import meta_model
+
+        return meta_model(AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code))
+    return local
 
 
 def _validate_model_path(model: ModelConfig) -> None:

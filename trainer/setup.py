@@ -110,6 +110,8 @@ def apply_actor_update(cfg: TrainConfig, world: World, algo: Algorithm, caps: Ca
     Returns (backend, activation manager or None)."""
     t = cfg.trainer
     model = algo.prepare_model(model).to(world.device)
+    if caps.plan is not None:  # e.g. QAD's stages over trainer.max_steps
+        caps.plan(t.max_steps)
     activations = install_activations(model, t)
     if t.prompt_sharing:
         assert caps.share_prompts is not None, "config validation admits prompt sharing only for such algorithms"
