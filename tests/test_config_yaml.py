@@ -35,6 +35,8 @@ ALGO_OVERRIDES = {
     "grpo": {"trainer.batch_size": 8, "trainer.lr": 3e-5},
     # seed: a starting value for full fine-tuning of the tiny default (untuned).
     "seed": {"trainer.lr": 3e-4},
+    # qad: a starting value for distilling the tiny default into its fake-quant copy.
+    "qad": {"trainer.lr": 3e-4},
 }
 
 # Option files of the other groups: the values they set that differ from the dataclass default.
