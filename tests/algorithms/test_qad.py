@@ -19,7 +19,7 @@ from algorithms.qad import (
 from models.loading import TinySpec, build_tiny
 from models.quant import FakeQuantLinear, fake_quant_modules
 from tests.algorithms.selfdistill_helpers import arith, ctx
-from tests.conftest import ROOT, tiny_overrides
+from tests.conftest import ROOT, tiny_overrides, torchrun_train
 
 SPEC = TinySpec(hidden_size=32, num_layers=4, num_heads=2, intermediate_size=64)
 
@@ -275,3 +275,39 @@ def test_resume_mid_stage_equals_an_uninterrupted_run(tmp_path, subprocess_env):
     for step in (4, 5, 6):  # step 4 is mid-stage (stage 1 began at step 3)
         for key in ("loss", "qad/stage", "qad/block_error/0", "qad/path_error"):
             assert resumed[step][key] == pytest.approx(whole[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+@pytest.mark.slow  # train.py subprocess: ~15 s
+def test_ptq_with_zero_steps_evaluates_and_exports_round_to_nearest(tmp_path, subprocess_env):
+    from models.loading import build_tiny as build
+    from models.quant import quantize_weight
+    from models.quant_export import read_compressed
+
+    out = tmp_path / "run"
+    proc = train(tiny_overrides(out, *QAD_TINY, "trainer.max_steps=0", "algo.schedule=ptq", "algo.format=W4A4",
+                                "algo.group_size=16", "model.seed=3", algo="qad"), subprocess_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done: 0 steps" in proc.stdout
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["split"] for r in rows] == ["eval"]  # the RTN student's accuracy, no training
+    ckpt = read_compressed(str(out / "final"))
+    start, _ = build(SPEC, seed=3)  # model=tiny_init: the random-init tiny model of model.seed
+    for name, (q, scale) in ckpt.quantized.items():
+        ref_q, ref_scale = quantize_weight(start.get_submodule(name).weight, 4, 16)
+        assert torch.equal(q, ref_q) and torch.equal(scale, ref_scale), name
+    assert len(ckpt.quantized) == 4 * 7
+
+
+@pytest.mark.slow  # torchrun, 2 ranks: ~60 s
+def test_torchrun_two_ranks_end_to_end(tmp_path, subprocess_env):
+    from models.quant_export import is_compressed, read_compressed
+
+    out = tmp_path / "run"
+    records = torchrun_train(out, subprocess_env, *QAD_TINY, "trainer.max_steps=6", "algo.format=W8A8",
+                             "algo.block_error_every=3", algo="qad")
+    train_rows = [r for r in records if r["split"] == "train"]
+    assert [r["qad/stage"] for r in train_rows] == [0, 0, 1, 1, 2, 2]
+    assert "qad/kl" in train_rows[-1] and "qad/hidden_error" in train_rows[0]
+    assert "qad/block_error/3" in train_rows[0] and "qad/block_error/3" in train_rows[3]
+    assert is_compressed(str(out / "final"))
+    assert read_compressed(str(out / "final")).scheme.name == "W8A8"
