@@ -1,0 +1,275 @@
+"""Quantization-aware distillation, side by side in one run: accuracy of every schedule after export
+and reload in our runtime, and the speed and size of the runtime's low-bit path.
+
+Part 1, accuracy (the warm-started embedded default, 4 blocks of width 128): for each format
+(`--formats`, default W8A8, W4A8, W4A4) and seed (`--seeds`), at equal steps (`--steps`) and batch:
+
+  FP           the full-precision starting model (our engine);
+  PTQ          round-to-nearest (`algo.schedule=ptq`, no training);
+  QAT          cross-entropy on worked solutions (`qat`);
+  QAD          whole-model KL(teacher || student) from step 0 (`qad`);
+  Theseus      segments of 1, 2 blocks matched to the teacher, then whole-model KL (`theseus`);
+  Theseus-QAT  the Theseus stages as a warm-up for half the steps, then QAT (`theseus_qat`);
+
+each exported (compressed-tensors), reloaded by `inference.quantized.load_quantized` and scored
+greedily on held-out `arith` questions through the integer matmuls (`acc`); beside it the
+in-memory fake-quant model's accuracy (`fq`) and the share of prompts whose greedy completion is
+identical in both (`same`). Theseus runs also report the per-block output error (nmse given the
+teacher's input) measured at the end of each stage.
+
+Part 2, the runtime's low-bit path on a wider model (`--wide-hidden`, default 512; random weights,
+the speed and size do not depend on them): packed weight bytes of the quantized layers vs fp32, and
+prefill / decode tokens/s of the exported model vs the full-precision one at batch 1 and 32
+(best of `--repeats` round-robin passes, one thread), with greedy tokens of the export compared to
+the fake-quant model's.
+
+    python benchmarks/qad.py                                   # everything (tens of minutes on 2 cores)
+    python benchmarks/qad.py --formats W8A8 --seeds 0 --steps 30 --skip-speed
+    python benchmarks/qad.py --skip-accuracy                   # part 2 only
+
+Last line: one JSON object with every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+METHODS = {"QAT": "qat", "QAD": "qad", "Theseus": "theseus", "Theseus-QAT": "theseus_qat"}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--formats", default="W8A8,W4A8,W4A4")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--eval-n", type=int, default=100, help="held-out questions per accuracy")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--wide-hidden", type=int, default=512)
+    p.add_argument("--wide-layers", type=int, default=4)
+    p.add_argument("--prefill-len", type=int, default=128)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--skip-accuracy", action="store_true")
+    p.add_argument("--skip-speed", action="store_true")
+    return p.parse_args(argv)
+
+
+# --- part 1: accuracy ------------------------------------------------------------------------------------
+
+
+def train_and_export(overrides: list[str], out: str):
+    """One in-process training run (`train.py` without the process): returns (session, final dir)."""
+    from algorithms import config_schemas
+    from trainer.config import load_config
+    from trainer.distributed import World
+    from trainer.loop import fit
+    from trainer.setup import build_session, export_final
+    from trainer.warm_start import ensure
+
+    cfg = load_config(["+algo=qad", f"output_dir={out}", "logging.wandb=false", "logging.progress=false",
+                       "trainer.eval_examples=4", "trainer.eval_max_new_tokens=4", "trainer.eval_every=100000",
+                       "trainer.save_every=100000", "trainer.resume=never", *overrides], config_schemas())
+    world = World()
+    ensure(cfg.model, world)
+    session = build_session(cfg, world)
+    assert fit(session) == "done"
+    session.tracker.close()
+    return session, export_final(session)
+
+
+def greedy(model, tokenizer, prompts, max_new_tokens, use_lean):
+    from inference import Engine, EngineConfig, SamplingParams
+
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
+    return [list(o.tokens) for o in Engine(model, EngineConfig(use_lean=use_lean)).generate(prompts, params)]
+
+
+def score(task, tokenizer, examples, completions) -> float:
+    ok = [task.verify(ex, tokenizer.decode(c, skip_special_tokens=True)).correct for ex, c in zip(examples, completions)]
+    return sum(ok) / len(ok)
+
+
+def stage_errors(out: str, num_layers: int) -> list[list[float]]:
+    """Per stage, the per-block errors of its last measurement (metrics.jsonl)."""
+    rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    last: dict[int, list[float]] = {}
+    for r in rows:
+        if r.get("split") == "train" and "qad/block_error/0" in r:
+            last[int(r["qad/stage"])] = [round(r[f"qad/block_error/{i}"], 5) for i in range(num_layers)]
+    return [last[s] for s in sorted(last)]
+
+
+def accuracy_part(args, work: str) -> dict:
+    import torch
+
+    from inference.quantized import load_quantized
+    from models.anatomy import decoder_layers
+    from models.loading import load_pretrained
+    from trainer.config import load_config
+    from algorithms import config_schemas
+    from trainer import default_model
+    from trainer.setup import build_task_from
+
+    base = load_config(["+algo=qad"], config_schemas())
+    from trainer.distributed import World
+    from trainer.warm_start import ensure
+
+    ensure(base.model, World())
+    start, tokenizer = load_pretrained(default_model.cache_path(base.model))
+    task = build_task_from(base.data)
+    examples = list(task.test_examples())[: args.eval_n]
+    prompts = [tokenizer(task.prompt(ex), add_special_tokens=False).input_ids for ex in examples]
+    num_layers = len(decoder_layers(start))
+    fp = score(task, tokenizer, examples, greedy(start, tokenizer, prompts, args.max_new_tokens, None))
+    print(f"FP accuracy {fp:.3f} (n={len(examples)})", flush=True)
+    common = [f"trainer.batch_size={args.batch_size}", f"trainer.micro_batch_size={args.batch_size}",
+              f"trainer.lr={args.lr}", "trainer.warmup_steps=5", f"algo.block_error_every={max(1, args.steps // 12)}"]
+    table: dict = {"FP": fp, "formats": {}}
+    for fmt in args.formats.split(","):
+        entry: dict = {}
+        runs = [("PTQ", "ptq", 0)] + [(m, s, seed) for m, s in METHODS.items() for seed in map(int, args.seeds.split(","))]
+        for label, schedule, seed in runs:
+            out = os.path.join(work, f"{fmt}-{schedule}-{seed}")
+            steps = 0 if schedule == "ptq" else args.steps
+            started = time.perf_counter()
+            session, final = train_and_export([f"algo.format={fmt}", f"algo.schedule={schedule}",
+                                               f"trainer.max_steps={steps}", f"seed={seed}", *common], out)
+            fq_model = session.backend.full_model().eval()
+            fq_out = greedy(fq_model, tokenizer, prompts, args.max_new_tokens, False)
+            served, _ = load_quantized(final)
+            rt_out = greedy(served, tokenizer, prompts, args.max_new_tokens, True)
+            result = {"acc": score(task, tokenizer, examples, rt_out), "fq": score(task, tokenizer, examples, fq_out),
+                      "same": sum(a == b for a, b in zip(rt_out, fq_out)) / len(prompts),
+                      "seconds": round(time.perf_counter() - started, 1)}
+            if schedule in ("theseus", "theseus_qat"):
+                result["stage_block_error"] = stage_errors(out, num_layers)
+            entry.setdefault(label, []).append(result)
+            print(f"{fmt} {label:12s} seed {seed}: {json.dumps(result)}", flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+            del session, fq_model, served
+        table["formats"][fmt] = {
+            label: {"acc_mean": statistics.mean(r["acc"] for r in rs), "fq_mean": statistics.mean(r["fq"] for r in rs),
+                    "acc": [r["acc"] for r in rs], "same_mean": statistics.mean(r["same"] for r in rs),
+                    **({"stage_block_error": rs[0]["stage_block_error"]} if "stage_block_error" in rs[0] else {})}
+            for label, rs in entry.items()}
+    torch.set_num_threads(args.threads)
+    return table
+
+
+def print_accuracy(table: dict) -> None:
+    labels = ["PTQ", *METHODS]
+    print(f"\nheld-out accuracy after export + reload (mean over seeds; fake-quant in brackets); FP {table['FP']:.3f}")
+    print("format " + "".join(f"{l:>22s}" for l in labels))
+    for fmt, entry in table["formats"].items():
+        cells = [f"{entry[l]['acc_mean']:.3f} ({entry[l]['fq_mean']:.3f})" for l in labels]
+        print(f"{fmt:6s} " + "".join(f"{c:>22s}" for c in cells))
+
+
+# --- part 2: speed and size of the low-bit path ------------------------------------------------------------
+
+
+def speed_part(args, work: str) -> dict:
+    import torch
+
+    from inference import Engine, EngineConfig, SamplingParams
+    from inference.quantized import load_quantized
+    from models.loading import random_qwen3
+    from models.quant import QuantScheme, apply_fake_quant
+    from models.quant_export import export_compressed, packed_weight_bytes
+    from models.tokenizer import build_char_tokenizer
+
+    torch.set_num_threads(args.threads)
+    tok = build_char_tokenizer()
+    H = args.wide_hidden
+    fp = random_qwen3(len(tok), hidden_size=H, num_layers=args.wide_layers, num_heads=H // 64,
+                      intermediate_size=3 * H, max_positions=args.prefill_len + args.decode_tokens + 8,
+                      initializer_range=0.05).eval()
+    gen = torch.Generator().manual_seed(0)
+    results: dict = {"model": {"hidden": H, "layers": args.wide_layers, "intermediate": 3 * H}, "formats": {}}
+    for fmt in args.formats.split(","):
+        import copy
+
+        fq = copy.deepcopy(fp)
+        apply_fake_quant(fq, QuantScheme.parse(fmt))
+        out = os.path.join(work, f"wide-{fmt}")
+        export_compressed(fq, tok, out)
+        served, _ = load_quantized(out)
+        sizes = packed_weight_bytes(out)
+        row: dict = {"weight_bytes_ratio": sizes["quantized_bytes"] / sizes["fp32_bytes"]}
+        for batch in (1, 32):
+            prompts = torch.randint(3, len(tok), (batch, args.prefill_len), generator=gen).tolist()
+            timings = {"fp": {}, "lowbit": {}}
+            for _ in range(args.repeats):  # round robin: a slow spell hits both alike
+                for name, model in (("fp", fp), ("lowbit", served)):
+                    for phase, new in (("prefill", 1), ("decode", args.decode_tokens)):
+                        engine = Engine(model, EngineConfig(use_lean=True))
+                        params = SamplingParams(max_new_tokens=new, temperature=0.0)
+                        t0 = time.perf_counter()
+                        engine.generate(prompts, params)
+                        timings[name].setdefault(phase, []).append(time.perf_counter() - t0)
+            for name in timings:
+                pre = min(timings[name]["prefill"])
+                dec = max(min(timings[name]["decode"]) - pre, 1e-9)  # decode steps beyond the prefill
+                timings[name] = {"prefill_tok_s": batch * args.prefill_len / pre,
+                                 "decode_tok_s": batch * (args.decode_tokens - 1) / dec}
+            row[f"batch{batch}"] = {**timings,
+                                    "prefill_speedup": timings["lowbit"]["prefill_tok_s"] / timings["fp"]["prefill_tok_s"],
+                                    "decode_speedup": timings["lowbit"]["decode_tok_s"] / timings["fp"]["decode_tok_s"]}
+        prompts = torch.randint(3, len(tok), (8, 32), generator=gen).tolist()
+        a = greedy(served, tok, prompts, 24, True)
+        b = greedy(fq, tok, prompts, 24, False)
+        row["greedy_same_as_fake_quant"] = sum(x == y for x, y in zip(a, b)) / len(prompts)
+        results["formats"][fmt] = row
+        print(f"{fmt}: {json.dumps(row)}", flush=True)
+    return results
+
+
+def print_speed(res: dict) -> None:
+    m = res["model"]
+    print(f"\nlow-bit runtime path, width {m['hidden']} x {m['layers']} blocks (tokens/s, low-bit / fp32 = speedup)")
+    print("format  bytes   prefill b1          decode b1           prefill b32          decode b32          greedy=")
+    for fmt, r in res["formats"].items():
+        cells = []
+        for b in (1, 32):
+            for phase in ("prefill", "decode"):
+                x = r[f"batch{b}"]
+                cells.append(f"{x['lowbit'][phase + '_tok_s']:.0f}/{x['fp'][phase + '_tok_s']:.0f} "
+                             f"x{x[phase + '_speedup']:.2f}")
+        print(f"{fmt:6s}  {r['weight_bytes_ratio']:.3f}  " + "  ".join(f"{c:18s}" for c in cells)
+              + f"  {r['greedy_same_as_fake_quant']:.2f}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    work = tempfile.mkdtemp(prefix="bench-qad-")
+    out: dict = {"args": vars(args)}
+    try:
+        if not args.skip_accuracy:
+            out["accuracy"] = accuracy_part(args, work)
+            print_accuracy(out["accuracy"])
+        if not args.skip_speed:
+            out["speed"] = speed_part(args, work)
+            print_speed(out["speed"])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
