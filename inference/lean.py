@@ -7,8 +7,9 @@ math with a handful of fused torch ops per layer and a pre-allocated KV cache.
 What it supports (anything else falls back to the HF path in `hf_backend.py`):
   RMSNorm pre-norm decoder layers, default RoPE (`config.rope_parameters["rope_theta"]`, no
   scaling), GQA, SiLU-gated MLP, optional q/k/v/o/MLP biases (Qwen2, Llama `attention_bias`),
-  optional per-head q/k RMSNorm (Qwen3), tied or untied lm_head, full attention only, and only
-  plain `torch.nn.Linear` projections (LoRA / quantized linears must run their own forward).
+  optional per-head q/k RMSNorm (Qwen3), tied or untied lm_head, full attention only, and
+  projections that are plain `torch.nn.Linear` or `lowbit.LowBitLinear` (real low-bit weights);
+  any other Linear subclass (LoRA, training's fake-quant linears) must run its own forward.
 
 Weights are read by reference from the model at the start of each `generate` call; the fused
 q|k|v and gate|up matrices built from them live only for that call, so weight updates between
@@ -21,8 +22,10 @@ Three of the engine's seams (see `engine.py`) live here, each a named place a la
 into without touching the layer math:
   linear op     every projection (fused q|k|v, o, fused gate|up, down, lm_head) is a `Projection`:
                 weights read from the model plus the `LinearOp` that applies them. `read_weights`
-                takes the op (today `FULL_PRECISION` = F.linear); a low-bit path would read packed
-                weights and give each projection its own op here.
+                takes the op of the float projections (default `FULL_PRECISION` = F.linear); a
+                projection built from `LowBitLinear` modules holds their `LowBitWeights` (q|k|v
+                and gate|up fused by concatenating integers and scales when the modules share a
+                scheme) and runs `lowbit.lowbit_linear`, the integer GEMM (see `_projection`).
   routing       `run_layers` asks a `Route` per layer which rows run the layer body; the default
                 `dense` says all of them (None). A layer-skipper would answer with a row subset.
   cache         `KVCache` owns the K/V buffer and the key mask; the forward writes through
@@ -34,11 +37,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Iterable, NamedTuple, Optional
+from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from inference.lowbit import LowBitLinear, LowBitWeights, lowbit_linear
 
 # HF class name -> whether its attention applies per-head q/k RMSNorm.
 LEAN_ARCHITECTURES = {"Qwen3ForCausalLM": True, "Qwen2ForCausalLM": False, "LlamaForCausalLM": False}
@@ -82,6 +87,10 @@ def _config_reason(model: nn.Module) -> str | None:
     return None
 
 
+# The projection modules the lean forward reads weights from (exact types, not subclasses).
+LEAN_LINEARS = (nn.Linear, LowBitLinear)
+
+
 def _module_reason(model: nn.Module) -> str | None:
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and type(module) is not nn.Linear:
@@ -90,14 +99,16 @@ def _module_reason(model: nn.Module) -> str | None:
             return f"{name or 'model'} has forward hooks the lean path would skip"
     if not hasattr(getattr(model.model, "rotary_emb", None), "inv_freq"):
         return "no model.rotary_emb.inv_freq buffer to build RoPE tables from"
-    expected = [model.lm_head, model.model.embed_tokens]
+    if type(model.model.embed_tokens) is not nn.Embedding:
+        return f"{type(model.model.embed_tokens).__name__} where a plain Embedding was expected"
+    expected = [model.lm_head]
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         expected += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
         expected += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     for module in expected:
-        if type(module) not in (nn.Linear, nn.Embedding):
-            return f"{type(module).__name__} where a plain Linear/Embedding was expected"
+        if type(module) not in LEAN_LINEARS:
+            return f"{type(module).__name__} where a plain Linear or a LowBitLinear was expected"
     return _norm_reason(model)
 
 
@@ -147,8 +158,9 @@ def read_dims(model: nn.Module) -> Dims:
     )
 
 
-# Seam 2, the linear op: (x (..., in), weight (out, in), bias (out,) | None) -> (..., out).
-LinearOp = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+# Seam 2, the linear op: (x (..., in), weight, bias (out,) | None) -> (..., out). The weight is
+# what the op reads: a float (out, in) tensor for F.linear, `LowBitWeights` for `lowbit_linear`.
+LinearOp = Callable[[torch.Tensor, Any, Optional[torch.Tensor]], torch.Tensor]
 FULL_PRECISION: LinearOp = F.linear
 
 
@@ -157,10 +169,11 @@ class Projection:
     """One linear map of the decoder: the weights read from the model and the op that applies them.
 
     Every projection of the lean forward is called through here, so the op is the one place a
-    different weight format (low-bit, packed) changes how a projection runs.
+    weight format changes how a projection runs: float weights with F.linear, `LowBitWeights` with
+    `lowbit_linear`, or a list of part projections whose outputs are concatenated (`_concat`).
     """
 
-    weight: torch.Tensor  # (out, in) full precision today
+    weight: Any  # (out, in) float tensor | LowBitWeights | list[Projection]
     bias: torch.Tensor | None
     op: LinearOp = FULL_PRECISION
 
@@ -187,20 +200,33 @@ class Weights:
     lm_head: Projection  # (V, C)
 
 
-def _cat_bias(*linears: nn.Linear) -> torch.Tensor | None:
-    if all(lin.bias is None for lin in linears):
+def _cat_bias(*linears: nn.Module) -> torch.Tensor | None:
+    biases = [lin.bias for lin in linears if lin.bias is not None]
+    if not biases:
         return None
-    return torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
+    return torch.cat([lin.bias if lin.bias is not None else biases[0].new_zeros(lin.out_features)
                       for lin in linears])
 
 
-def _projection(linear: LinearOp, *modules: nn.Linear) -> Projection:
-    """The projection of `modules` fused along the output axis (one module: its own weights)."""
-    if len(modules) == 1:
-        weight = modules[0].weight
-    else:
-        weight = torch.cat([m.weight for m in modules])
-    return Projection(weight.detach(), _detach(_cat_bias(*modules)), linear)
+def _concat(x: torch.Tensor, parts: list[Projection], bias: torch.Tensor | None) -> torch.Tensor:
+    """The LinearOp of a projection whose parts cannot be fused: each part's output, concatenated."""
+    return torch.cat([part(x) for part in parts], dim=-1)
+
+
+def _projection(linear: LinearOp, *modules: nn.Module) -> Projection:
+    """The projection of `modules` fused along the output axis (one module: its own weights).
+
+    Plain nn.Linear modules: their float weights under `linear`. LowBitLinear modules of one
+    scheme: their integers and scales concatenated (`LowBitWeights.cat`) under `lowbit_linear`.
+    A mix (float and low-bit, or two schemes): each module its own projection, outputs concatenated.
+    """
+    lowbit = [isinstance(m, LowBitLinear) for m in modules]
+    if not any(lowbit):
+        weight = modules[0].weight if len(modules) == 1 else torch.cat([m.weight for m in modules])
+        return Projection(weight.detach(), _detach(_cat_bias(*modules)), linear)
+    if all(lowbit) and len({m.scheme for m in modules}) == 1:
+        return Projection(LowBitWeights.cat([m.weights() for m in modules]), _cat_bias(*modules), lowbit_linear)
+    return Projection([_projection(linear, m) for m in modules], None, _concat)
 
 
 def _layer_weights(layer: nn.Module, dims: Dims, linear: LinearOp) -> LayerWeights:
@@ -226,8 +252,8 @@ def _detach(tensor: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def read_weights(model: nn.Module, dims: Dims, linear: LinearOp = FULL_PRECISION) -> Weights:
-    """Reference the live weights (fusing q|k|v and gate|up for this call only); every projection,
-    lm_head included, applies them with `linear`."""
+    """Reference the live weights (fusing q|k|v and gate|up for this call only); every float
+    projection, lm_head included, applies them with `linear`; LowBitLinear ones with `lowbit_linear`."""
     return Weights(
         embed=model.model.embed_tokens.weight.detach(),
         layers=[_layer_weights(layer, dims, linear) for layer in model.model.layers],
@@ -473,7 +499,8 @@ def forward(weights: Weights, dims: Dims, blocks: Blocks, rope: Rope, ids, posit
 class LeanBackend:
     """The lean decoder's state for one `generate` call: weights, KV cache, key mask.
 
-    linear: the op of every projection (seam 2); route: per-layer routing (seam 3).
+    linear: the op of every float projection (seam 2; low-bit ones run `lowbit_linear`);
+    route: per-layer routing (seam 3).
     """
 
     def __init__(self, model: nn.Module, dims: Dims, rope: Rope, batch: int, max_len: int,

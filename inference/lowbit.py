@@ -1,0 +1,274 @@
+"""Low-bit linears of the runtime: integer weights, per-token integer activations, integer GEMM.
+
+What training's `models.quant.FakeQuantLinear` simulates in floating point, this file runs for real:
+
+    y = F.linear(fq_tokens(x), fq_weight(W), b)                      (fake quant, training)
+      = sx * sum_g sw[:, g] * (qx[:, g] @ qw[:, g]^T) + b             (here: int8 x int8 -> int32)
+
+with qx, sx = quantize_tokens(x) (one fp32 scale per token) and qw, sw = quantize_weight(W) (one
+fp32 scale per output channel, or per group of input columns). The integer products are exact
+(int32 accumulation); only the scaling is fp32, so the two agree to fp32 rounding.
+
+    model = to_lowbit(fake_quantized_model)          # every FakeQuantLinear -> LowBitLinear
+    model = to_lowbit(model, QuantScheme.parse("W4A8", group_size=32))   # or quantize directly
+    Engine(model).generate(...)                      # the lean decoder runs the low-bit op
+
+Storage. 8-bit weights: an int8 (out, in) buffer `weight`. 4-bit weights: the packed int32
+(out, in / 8) buffer `weight_packed` (`models.quant.pack_int4`, the compressed-tensors layout a
+checkpoint stores) plus an int8 (out, in) copy `weight_unpacked`, unpacked once at construction
+(and after a state-dict load), not saved: torch has no int4 GEMM on CPU (`torch._int_mm` takes int8
+only), so the torch path multiplies the unpacked int8 values. On CUDA with Triton the int4 path
+(`lowbit_triton.py`) reads the packed words and unpacks them inside the kernel instead. Scales
+are an fp32 (out, groups) buffer `weight_scale` that stays fp32 when the model is cast.
+
+The op, `lowbit_linear(x, weights, bias)`:
+  act_bits set      quantize_tokens, then the integer GEMM: one `torch._int_mm` per weight group
+                    (int32 accumulation), partial products scaled by the group's weight scales and
+                    summed in fp32, times the token scale, plus bias, in x's dtype. W4 on CUDA with
+                    Triton: the fused int4 kernel.
+  act_bits None     weight only (W4A16, W8A16): dequantize the weight to x's dtype, then F.linear.
+
+A LowBitLinear is a frozen snapshot: integers, scales and a copy of the bias are taken at
+conversion; later updates to the float model it came from are not seen (convert again).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.anatomy import causal_lm
+from models.quant import (
+    DEFAULT_KEEP, FakeQuantLinear, QuantScheme, dequantize_weight, int_range, pack_int4, quant_targets,
+    quantize_tokens, quantize_weight, unpack_int4,
+)
+
+__all__ = ["LowBitLinear", "LowBitWeights", "int_matmul", "scaled_int_matmul", "lowbit_linear", "to_lowbit",
+           "lowbit_modules"]
+
+# torch._int_mm on CUDA needs more than 16 rows and k, n multiples of 8 (CPU takes any shape).
+_CUDA_MIN_ROWS, _CUDA_MULTIPLE = 17, 8
+
+
+@dataclass(frozen=True)
+class LowBitWeights:
+    """What the low-bit op needs of one (possibly fused) quantized linear.
+
+    q: int8 (out, in) integers (int4 values unpacked); scale: fp32 (out, groups); packed: the int32
+    (out, in / 8) words of 4-bit weights (None for 8-bit).
+    """
+
+    q: Tensor
+    scale: Tensor
+    scheme: QuantScheme
+    packed: Optional[Tensor] = None
+
+    @property
+    def out_features(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.q.shape[1]
+
+    @staticmethod
+    def cat(parts: Sequence["LowBitWeights"]) -> "LowBitWeights":
+        """Fused along the output axis (q|k|v, gate|up); the parts must share scheme and input width."""
+        first = parts[0]
+        if any(p.scheme != first.scheme or p.in_features != first.in_features for p in parts):
+            raise ValueError("only low-bit weights of one scheme and input width can be fused")
+        if len(parts) == 1:
+            return first
+        packed = None if first.packed is None else torch.cat([p.packed for p in parts])
+        return LowBitWeights(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                             first.scheme, packed)
+
+
+# ----------------------------------------------------------------------------- integer GEMM
+
+
+def _int_mm(a: Tensor, b: Tensor) -> Tensor:
+    """torch._int_mm(a int8 (m, k), b int8 (k, n)) -> int32 (m, n). On CUDA, zero-pads to the
+    shapes cuBLAS accepts (zero rows/columns add nothing; the padding is sliced off)."""
+    if not a.is_cuda:
+        return torch._int_mm(a, b)
+    (m, k), n = a.shape, b.shape[1]
+    mp = max(m, _CUDA_MIN_ROWS)
+    kp, np_ = (-(-size // _CUDA_MULTIPLE) * _CUDA_MULTIPLE for size in (k, n))
+    if (mp, kp, np_) != (m, k, n):
+        a = F.pad(a, (0, kp - k, 0, mp - m))
+        b = F.pad(b, (0, np_ - n, 0, kp - k))
+    if not (b.is_contiguous() or b.t().is_contiguous()):  # a group's column slice: give it one layout
+        b = b.t().contiguous().t()
+    return torch._int_mm(a.contiguous(), b)[:m, :n]
+
+
+def int_matmul(a: Tensor, q: Tensor) -> Tensor:
+    """a int8 (m, k) @ q int8 (n, k)^T -> int32 (m, n), exact (int32 accumulation)."""
+    return _int_mm(a, q.t())
+
+
+def scaled_int_matmul(a: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    """sum over weight groups g of scale[:, g] * (a[:, g] @ q[:, g]^T): fp32 (m, n).
+
+    a: int8 (m, k); q: int8 (n, k); scale: fp32 (n, groups), groups dividing k. One integer GEMM
+    per group (exact int32), each partial product scaled in fp32 and summed.
+    """
+    groups = scale.shape[1]
+    size = a.shape[1] // groups
+    scale = scale.float()
+    if groups == 1:
+        return int_matmul(a, q).float() * scale[:, 0]
+    out = None
+    for g in range(groups):
+        cols = slice(g * size, (g + 1) * size)
+        part = int_matmul(a[:, cols], q[:, cols]).float() * scale[:, g]
+        out = part if out is None else out.add_(part)
+    return out
+
+
+def _triton_ready(x: Tensor, weights: LowBitWeights) -> bool:
+    if not x.is_cuda or weights.packed is None:
+        return False
+    from inference import lowbit_triton  # imports triton: only on a CUDA tensor
+
+    return lowbit_triton.supported(weights.in_features, weights.scheme.group_size or weights.in_features)
+
+
+def lowbit_linear(x: Tensor, weights: LowBitWeights, bias: Optional[Tensor] = None) -> Tensor:
+    """The low-bit linear op: x (..., in) -> (..., out) in x's dtype. Same signature as F.linear
+    (a `lean.LinearOp` with LowBitWeights in the weight slot)."""
+    scheme = weights.scheme
+    if scheme.act_bits is None:  # weight only: activations stay in x's float dtype
+        return F.linear(x, dequantize_weight(weights.q, weights.scale).to(x.dtype), bias)
+    lead = x.shape[:-1]
+    qx, sx = quantize_tokens(x.reshape(-1, x.shape[-1]), scheme.act_bits)  # (m, in) int8, (m, 1) fp32
+    if _triton_ready(x, weights):
+        from inference import lowbit_triton
+
+        y = lowbit_triton.int4_matmul(qx, sx, weights.packed, weights.scale)  # (m, out) fp32, token scale in
+    else:
+        y = scaled_int_matmul(qx, weights.q, weights.scale).mul_(sx)  # (m, out) fp32
+    if bias is not None:
+        y = y.add_(bias.float())
+    return y.to(x.dtype).reshape(*lead, weights.out_features)
+
+
+# ----------------------------------------------------------------------------- the module
+
+
+class LowBitLinear(nn.Module):
+    """A quantized linear: integer weights, fp32 scales, optional bias; forward = `lowbit_linear`.
+
+    Buffers (no parameters: nothing here trains): `weight` int8 (out, in) for 8-bit weights, or
+    `weight_packed` int32 (out, in / 8) plus the unsaved int8 copy `weight_unpacked` for 4-bit
+    weights (see the module docstring for why the copy); `weight_scale` fp32 (out, groups); `bias`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, scheme: QuantScheme, bias: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if scheme.weight_bits == 4 and in_features % 8:
+            raise ValueError(f"int4 weights pack 8 per int32: the input width {in_features} is not divisible by 8")
+        self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        groups = scheme.groups(in_features)
+        if scheme.weight_bits == 4:
+            self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 8, dtype=torch.int32,
+                                                              device=device))
+            self.register_buffer("weight_unpacked", torch.zeros(out_features, in_features, dtype=torch.int8,
+                                                                device=device), persistent=False)
+        else:
+            self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, groups, dtype=torch.float32, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+
+    @classmethod
+    def from_quantized(cls, q: Tensor, scale: Tensor, bias: Optional[Tensor], scheme: QuantScheme) -> "LowBitLinear":
+        """From the integers and scales `models.quant.quantize_weight` returns (q int8 (out, in) in the
+        scheme's weight range, scale (out, groups)); the bias is copied."""
+        if q.dtype != torch.int8 or q.dim() != 2:
+            raise ValueError(f"q must be an int8 (out, in) tensor, got {q.dtype} {tuple(q.shape)}")
+        out, width = q.shape
+        qmin, qmax = int_range(scheme.weight_bits)
+        if q.numel() and (int(q.min()) < qmin or int(q.max()) > qmax):
+            raise ValueError(f"{scheme.weight_bits}-bit weights must lie in [{qmin}, {qmax}]")
+        if tuple(scale.shape) != (out, scheme.groups(width)):
+            raise ValueError(f"scale shape {tuple(scale.shape)} != (out, groups) = {(out, scheme.groups(width))}")
+        module = cls(width, out, scheme, bias=bias is not None, device=q.device,
+                     dtype=bias.dtype if bias is not None else torch.float32)
+        with torch.no_grad():
+            if scheme.weight_bits == 4:
+                module.weight_packed.copy_(pack_int4(q))
+                module.weight_unpacked.copy_(unpack_int4(module.weight_packed))  # from what is stored
+            else:
+                module.weight.copy_(q)
+            module.weight_scale.copy_(scale.float())
+            if bias is not None:
+                module.bias.copy_(bias.detach())
+        return module
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, scheme: QuantScheme) -> "LowBitLinear":
+        """Quantize a float nn.Linear (or FakeQuantLinear: the same integers its forward uses)."""
+        q, scale = quantize_weight(linear.weight.detach(), scheme.weight_bits, scheme.group_size)
+        return cls.from_quantized(q, scale, linear.bias, scheme)
+
+    @property
+    def q(self) -> Tensor:
+        """int8 (out, in): the integers the torch path multiplies."""
+        return self.weight_unpacked if self.scheme.weight_bits == 4 else self.weight
+
+    def weights(self) -> LowBitWeights:
+        packed = self.weight_packed if self.scheme.weight_bits == 4 else None
+        return LowBitWeights(self.q, self.weight_scale, self.scheme, packed)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return lowbit_linear(x, self.weights(), self.bias)
+
+    def _apply(self, fn, recurse: bool = True):
+        # Module.to(dtype) casts floating buffers; the scales must stay fp32 (only the device moves).
+        scale = self.weight_scale
+        super()._apply(fn, recurse)
+        self.weight_scale = scale.to(self.weight_scale.device)
+        return self
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        if self.scheme.weight_bits == 4:  # the unsaved int8 copy follows the loaded packed words
+            with torch.no_grad():
+                self.weight_unpacked.copy_(unpack_int4(self.weight_packed))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"scheme={self.scheme.name}, group_size={self.scheme.group_size}")
+
+
+# ----------------------------------------------------------------------------- model conversion
+
+
+def to_lowbit(model: nn.Module, scheme: QuantScheme | None = None, keep: Sequence[str] = DEFAULT_KEEP) -> nn.Module:
+    """Replace linears by LowBitLinear, in place; returns the model.
+
+    scheme None: every FakeQuantLinear (after `models.quant.apply_fake_quant`), each with its own
+    scheme (ValueError when there is none). Given a scheme: the decoder-block linears
+    `models.quant.quant_targets(model, scheme, keep)` picks (plain or fake-quant).
+    """
+    lm = causal_lm(model)
+    if scheme is None:
+        targets = {n: (m, m.scheme) for n, m in lm.named_modules() if isinstance(m, FakeQuantLinear)}
+        if not targets:
+            raise ValueError("to_lowbit: the model has no FakeQuantLinear; pass a scheme to quantize it directly")
+    else:
+        targets = {n: (m, scheme) for n, m in quant_targets(model, scheme, keep).items()}
+    for name, (linear, module_scheme) in targets.items():
+        parent, _, child = name.rpartition(".")
+        setattr(lm.get_submodule(parent), child, LowBitLinear.from_linear(linear, module_scheme))
+    return model
+
+
+def lowbit_modules(model: nn.Module) -> dict[str, LowBitLinear]:
+    """name -> LowBitLinear of a converted model (names relative to the causal LM)."""
+    return {n: m for n, m in causal_lm(model).named_modules() if isinstance(m, LowBitLinear)}
