@@ -1,7 +1,9 @@
 """Command line generation: `python -m inference DIR --prompt TEXT [options]`.
 
 Loads a causal LM and its tokenizer through `models.loading` from DIR (e.g. a run's `final/`;
-a PEFT adapter dir whose adapter_config.json names its base also works, merged into the base),
+a PEFT adapter dir whose adapter_config.json names its base also works, merged into the base;
+a compressed-tensors quantized export, e.g. from `+algo=qad`, runs on the low-bit path:
+integer weights and per-token integer activations through integer matmuls, `inference/quantized.py`),
 completes the prompt with the Engine, stopping at the tokenizer's eos token, and prints the
 completion. `--adapter ADAPTER_DIR` serves an exported LoRA adapter on top of DIR as its base.
 Models load in the dtype they were saved in (what `from_pretrained` does by default).
@@ -9,6 +11,7 @@ Models load in the dtype they were saved in (what `from_pretrained` does by defa
     python -m inference runs/x/final --prompt "12+7=" --max-new-tokens 32            # greedy
     python -m inference BASE --adapter runs/lora/final --prompt "12+7="            # LoRA export
     python -m inference runs/lora/final --prompt "12+7="                  # the same, base from the adapter
+    python -m inference runs/qad/final --prompt "12+7="                   # quantized export: low-bit path
     python -m inference runs/x/final --prompt "12+7=" --temperature 0.8 --top-p 0.95 --seed 1
     python -m inference runs/x/final --prompt "12+7=" --speculative seed        # SEED self-drafting
     python -m inference runs/x/final --prompt "12+7=" --speculative external --drafter runs/small/final
@@ -92,7 +95,14 @@ def load_model(model_dir: str, adapter: str | None, device: str):
     an adapter dir (load_pretrained merges it into its base); `adapter` is applied on top and
     merged, so the lean decoder runs the result. The tokenizer is model_dir's."""
     from models.loading import load_pretrained
+    from models.quant_export import is_compressed
 
+    if is_compressed(model_dir):  # a quantized export: the low-bit path (integer matmuls)
+        if adapter:
+            raise SystemExit(f"error: --adapter cannot be applied to the quantized model in {model_dir}")
+        from inference.quantized import load_quantized
+
+        return load_quantized(model_dir, device)
     model, tokenizer = load_pretrained(model_dir, saved_dtype(model_dir))
     if adapter:
         from peft import PeftModel

@@ -22,10 +22,11 @@ only), so the torch path multiplies the unpacked int8 values. On CUDA with Trito
 are an fp32 (out, groups) buffer `weight_scale` that stays fp32 when the model is cast.
 
 The op, `lowbit_linear(x, weights, bias)`:
-  act_bits set      quantize_tokens, then the integer GEMM: one `torch._int_mm` per weight group
-                    (int32 accumulation), partial products scaled by the group's weight scales and
-                    summed in fp32, times the token scale, plus bias, in x's dtype. W4 on CUDA with
-                    Triton: the fused int4 kernel.
+  act_bits set      quantize_tokens, then the integer GEMM per weight group (int32 accumulation),
+                    partial products scaled by the group's weight scales and summed in fp32, times
+                    the token scale, plus bias, in x's dtype. The GEMM: on CPU FBGEMM's u8 x s8
+                    kernel, laid out so it stays exact (`cpu_int_matmul`; torch._int_mm where FBGEMM
+                    is missing); on CUDA `torch._int_mm`, or for W4 with Triton the fused int4 kernel.
   act_bits None     weight only (W4A16, W8A16): dequantize the weight to x's dtype, then F.linear.
 
 A LowBitLinear is a frozen snapshot: integers, scales and a copy of the bias are taken at
@@ -33,8 +34,8 @@ conversion; later updates to the float model it came from are not seen (convert 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +66,7 @@ class LowBitWeights:
     scale: Tensor
     scheme: QuantScheme
     packed: Optional[Tensor] = None
+    cache: dict = field(default_factory=dict, compare=False, repr=False)  # prepacked CPU GEMM operands
 
     @property
     def out_features(self) -> int:
@@ -111,23 +113,72 @@ def int_matmul(a: Tensor, q: Tensor) -> Tensor:
     return _int_mm(a, q.t())
 
 
+# The CPU integer GEMM. torch._int_mm (s8 x s8) has no fast kernel on x86 CPUs without VNNI / AMX
+# (measured on an AVX2 EPYC: 20-50x slower than fp32 sgemm). FBGEMM's u8 x s8 kernels are fast
+# there, but sum adjacent u8 * s8 products in int16 with saturation (AVX2 vpmaddubsw), so each
+# case is laid out so that no pair can leave int16 and the int32 result stays exact:
+#   4-bit weights (|w| <= 8): activations offset to u8 = a + 128 in [0, 255]: |pair| <= 2*255*8.
+#   8-bit weights: a = p - n with p = max(a, 0) in [0, 127], n = max(-a, 0) in [0, 128], both rows
+#   of one GEMM (zero point 0): pairs in [-32768, 32512]; the result is the p rows minus the n rows.
+_FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
+_CPU_GEMM_OP = "linear_with_input_q_dq_qweight_dq_output_fp32"
+
+
+def _cpu_gemm_available() -> bool:
+    return _FBGEMM and hasattr(torch.ops.quantized, _CPU_GEMM_OP)
+
+
+def _prepack(q: Tensor) -> Any:
+    """FBGEMM's packed form of int8 weights (n, k) with unit scales (outputs are raw integer sums)."""
+    n = q.shape[0]
+    wq = torch._make_per_channel_quantized_tensor(q.contiguous(), torch.ones(n, dtype=torch.double),
+                                                  torch.zeros(n, dtype=torch.long), 0)
+    return torch.ops.quantized.linear_prepack(wq, None)
+
+
+def cpu_int_matmul(a: Tensor, packed: Any, weight_bits: int) -> Tensor:
+    """a int8 (m, k) @ the prepacked int8 weights^T -> (m, n) fp32 holding the exact int32 sums (exact
+    in fp32 below 2^24 in magnitude; beyond, one fp32 rounding, as any fp32 scaling of them)."""
+    op = getattr(torch.ops.quantized, _CPU_GEMM_OP)
+    x = a.float()
+    if weight_bits == 4:
+        return op(x, 1.0, 128, packed)
+    m = x.shape[0]
+    both = op(torch.cat([x.clamp(min=0), (-x).clamp(min=0)]), 1.0, 0, packed)
+    return both[:m] - both[m:]
+
+
 def scaled_int_matmul(a: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     """sum over weight groups g of scale[:, g] * (a[:, g] @ q[:, g]^T): fp32 (m, n).
 
     a: int8 (m, k); q: int8 (n, k); scale: fp32 (n, groups), groups dividing k. One integer GEMM
     per group (exact int32), each partial product scaled in fp32 and summed.
     """
+    return _scaled_groups(a, q, scale, None, 8)
+
+
+def _scaled_groups(a: Tensor, q: Tensor, scale: Tensor, packs: Optional[list], weight_bits: int) -> Tensor:
+    """scaled_int_matmul through `torch._int_mm` (packs None) or FBGEMM's prepacked groups."""
     groups = scale.shape[1]
     size = a.shape[1] // groups
     scale = scale.float()
-    if groups == 1:
-        return int_matmul(a, q).float() * scale[:, 0]
     out = None
     for g in range(groups):
         cols = slice(g * size, (g + 1) * size)
-        part = int_matmul(a[:, cols], q[:, cols]).float() * scale[:, g]
+        acc = int_matmul(a[:, cols], q[:, cols]).float() if packs is None else \
+            cpu_int_matmul(a[:, cols].contiguous(), packs[g], weight_bits)
+        part = acc.mul_(scale[:, g])
         out = part if out is None else out.add_(part)
     return out
+
+
+def _cpu_packs(weights: "LowBitWeights") -> list:
+    """FBGEMM operands of `weights`, one per weight group, prepacked on first use and cached."""
+    if "fbgemm" not in weights.cache:
+        groups = weights.scale.shape[1]
+        size = weights.in_features // groups
+        weights.cache["fbgemm"] = [_prepack(weights.q[:, g * size:(g + 1) * size]) for g in range(groups)]
+    return weights.cache["fbgemm"]
 
 
 def _triton_ready(x: Tensor, weights: LowBitWeights) -> bool:
@@ -150,6 +201,8 @@ def lowbit_linear(x: Tensor, weights: LowBitWeights, bias: Optional[Tensor] = No
         from inference import lowbit_triton
 
         y = lowbit_triton.int4_matmul(qx, sx, weights.packed, weights.scale)  # (m, out) fp32, token scale in
+    elif not x.is_cuda and _cpu_gemm_available():
+        y = _scaled_groups(qx, weights.q, weights.scale, _cpu_packs(weights), scheme.weight_bits).mul_(sx)
     else:
         y = scaled_int_matmul(qx, weights.q, weights.scale).mul_(sx)  # (m, out) fp32
     if bias is not None:
@@ -222,8 +275,14 @@ class LowBitLinear(nn.Module):
         return self.weight_unpacked if self.scheme.weight_bits == 4 else self.weight
 
     def weights(self) -> LowBitWeights:
+        """The op's operands, kept between calls (so a CPU GEMM prepacks once); rebuilt when a
+        buffer was replaced (.to(), a state-dict load)."""
         packed = self.weight_packed if self.scheme.weight_bits == 4 else None
-        return LowBitWeights(self.q, self.weight_scale, self.scheme, packed)
+        cached = self.__dict__.get("_weights")
+        if cached is None or cached.q is not self.q or cached.scale is not self.weight_scale or cached.packed is not packed:
+            cached = LowBitWeights(self.q, self.weight_scale, self.scheme, packed)
+            self.__dict__["_weights"] = cached
+        return cached
 
     def forward(self, x: Tensor) -> Tensor:
         return lowbit_linear(x, self.weights(), self.bias)
@@ -237,6 +296,7 @@ class LowBitLinear(nn.Module):
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
+        self.__dict__.pop("_weights", None)  # in-place copies keep the tensors: drop the prepacked operands
         if self.scheme.weight_bits == 4:  # the unsaved int8 copy follows the loaded packed words
             with torch.no_grad():
                 self.weight_unpacked.copy_(unpack_int4(self.weight_packed))

@@ -130,3 +130,28 @@ def test_exported_adapter_readme_names_no_temp_dir(tmp_path, model_dir):
     assert "final.tmp" not in readme and str(tmp_path) not in readme
     assert f"python -m inference {model_dir} --adapter <this directory>" in readme
     assert f"from_pretrained({str(model_dir)!r})" in readme
+
+
+def test_cli_serves_a_quantized_export_on_the_low_bit_path(tmp_path, capsys, make_model, monkeypatch):
+    """A compressed-tensors export (what +algo=qad writes) loads into LowBitLinear modules, and the
+    CLI's greedy completion equals the fake-quant model's through the HF forward."""
+    from inference import Engine, EngineConfig, SamplingParams
+    from inference import lowbit
+    from inference.__main__ import main
+    from models.quant import QuantScheme, apply_fake_quant
+    from models.quant_export import export_compressed
+
+    tokenizer = build_char_tokenizer()
+    model = make_model("qwen3").eval()
+    apply_fake_quant(model, QuantScheme.parse("W4A8"))
+    export_compressed(model, tokenizer, str(tmp_path))
+    capsys.readouterr()  # what the export's imports printed
+    ops = []
+    real = lowbit.lowbit_linear
+    monkeypatch.setattr(lowbit, "lowbit_linear", lambda *a, **k: ops.append(1) or real(*a, **k))
+    assert main([str(tmp_path), "--prompt", "12+7=", "--max-new-tokens", "12"]) == 0
+    printed = capsys.readouterr().out.rstrip("\n")
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
+    [ref] = Engine(model, EngineConfig(use_lean=False)).generate([tokenizer.encode("12+7=")], params)
+    assert printed == tokenizer.decode(ref.tokens, skip_special_tokens=True)
+    assert ops  # the integer path ran

@@ -305,9 +305,32 @@ def test_triton_int4_kernel_under_the_interpreter(subprocess_env):
 
 
 def test_cpu_tensors_never_take_the_triton_path(monkeypatch):
-    _, lowbit, _ = linear_pair("W4A8", 32)
+    from inference import lowbit
+
+    _, module, _ = linear_pair("W4A8", 32)
     calls = []
-    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape) or torch.mm(a.long(), b.long()).int())
-    x = torch.randn(3, 64)
-    lowbit(x)
-    assert calls == [(3, 32), (3, 32)]  # one integer GEMM per weight group, through torch
+    real = lowbit.cpu_int_matmul
+    monkeypatch.setattr(lowbit, "cpu_int_matmul", lambda a, packed, bits: calls.append(a.shape) or real(a, packed, bits))
+    module(torch.randn(3, 64))
+    assert calls == [(3, 32), (3, 32)]  # one integer GEMM per weight group, on the CPU kernel
+
+
+@pytest.mark.skipif(not __import__("inference.lowbit").lowbit._cpu_gemm_available(), reason="no FBGEMM in this torch build")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cpu_integer_gemm_is_exact_at_the_extremes(bits):
+    """FBGEMM sums pairs of u8 x s8 products in int16 (saturating on AVX2): the layouts of
+    `cpu_int_matmul` keep every pair inside int16, checked on the worst cases and random values."""
+    from inference.lowbit import _prepack, cpu_int_matmul
+
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    k, n = 64, 24
+    gen = torch.Generator().manual_seed(bits)
+    cases = []
+    for a_value in (-128, 127):
+        for w_value in (qmin, qmax):
+            cases.append((torch.full((3, k), a_value, dtype=torch.int8), torch.full((n, k), w_value, dtype=torch.int8)))
+    cases.append((torch.randint(-128, 128, (17, k), generator=gen, dtype=torch.int8),
+                  torch.randint(qmin, qmax + 1, (n, k), generator=gen, dtype=torch.int8)))
+    for a, w in cases:
+        ref = (a.long() @ w.long().t()).double()
+        assert torch.equal(cpu_int_matmul(a, _prepack(w), bits).double(), ref)
