@@ -147,11 +147,11 @@ def test_cli_serves_a_quantized_export_on_the_low_bit_path(tmp_path, capsys, mak
     export_compressed(model, tokenizer, str(tmp_path))
     capsys.readouterr()  # what the export's imports printed
     ops = []
-    real = lowbit.lowbit_linear
-    monkeypatch.setattr(lowbit, "lowbit_linear", lambda *a, **k: ops.append(1) or real(*a, **k))
+    real = lowbit.cpu_int_matmul
+    monkeypatch.setattr(lowbit, "cpu_int_matmul", lambda *a, **k: ops.append(1) or real(*a, **k))
     assert main([str(tmp_path), "--prompt", "12+7=", "--max-new-tokens", "12"]) == 0
     printed = capsys.readouterr().out.rstrip("\n")
     params = SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
     [ref] = Engine(model, EngineConfig(use_lean=False)).generate([tokenizer.encode("12+7=")], params)
     assert printed == tokenizer.decode(ref.tokens, skip_special_tokens=True)
-    assert ops  # the integer path ran
+    assert ops  # the integer GEMM ran
