@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from models.anatomy import causal_lm
 from models.quant import (
     DEFAULT_KEEP, FakeQuantLinear, QuantScheme, dequantize_weight, int_range, pack_int4, quant_targets,
-    quantize_tokens, quantize_weight, unpack_int4,
+    quantize_tokens, quantize_weight, token_scale, unpack_int4,
 )
 
 __all__ = ["LowBitLinear", "LowBitWeights", "int_matmul", "scaled_int_matmul", "lowbit_linear", "to_lowbit",
@@ -129,16 +129,23 @@ def _cpu_gemm_available() -> bool:
 
 
 def _prepack(q: Tensor) -> Any:
-    """FBGEMM's packed form of int8 weights (n, k) with unit scales (outputs are raw integer sums)."""
+    """FBGEMM's packed form of int8 weights (n, k) with unit scales (outputs are raw integer sums).
+    torch marks its quantized-tensor constructors deprecated; the warning is silenced here, and
+    `_cpu_gemm_available` sends everything to torch._int_mm the day they are gone."""
+    import warnings
+
     n = q.shape[0]
-    wq = torch._make_per_channel_quantized_tensor(q.contiguous(), torch.ones(n, dtype=torch.double),
-                                                  torch.zeros(n, dtype=torch.long), 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        wq = torch._make_per_channel_quantized_tensor(q.contiguous(), torch.ones(n, dtype=torch.double),
+                                                      torch.zeros(n, dtype=torch.long), 0)
     return torch.ops.quantized.linear_prepack(wq, None)
 
 
 def cpu_int_matmul(a: Tensor, packed: Any, weight_bits: int) -> Tensor:
-    """a int8 (m, k) @ the prepacked int8 weights^T -> (m, n) fp32 holding the exact int32 sums (exact
-    in fp32 below 2^24 in magnitude; beyond, one fp32 rounding, as any fp32 scaling of them)."""
+    """a (m, k) integers (int8, or fp32 holding integers) @ the prepacked int8 weights^T -> (m, n)
+    fp32 holding the exact int32 sums (exact in fp32 below 2^24 in magnitude; beyond, one fp32
+    rounding, as any fp32 scaling of them)."""
     op = getattr(torch.ops.quantized, _CPU_GEMM_OP)
     x = a.float()
     if weight_bits == 4:
@@ -146,6 +153,18 @@ def cpu_int_matmul(a: Tensor, packed: Any, weight_bits: int) -> Tensor:
     m = x.shape[0]
     both = op(torch.cat([x.clamp(min=0), (-x).clamp(min=0)]), 1.0, 0, packed)
     return both[:m] - both[m:]
+
+
+def _cpu_lowbit(x: Tensor, weights: "LowBitWeights") -> Tensor:
+    """The CPU low-bit op on x (m, in) -> fp32 (m, out) before bias: quantize_tokens' integers, kept
+    in fp32 (the kernel quantizes its input itself, exactly, at scale 1), with no int8 round trip.
+    They are rounded here: the kernel adds its zero point before rounding, which would turn values
+    just below a half (-7.4999995 + 128 = 120.5 in fp32) into ties."""
+    s = weights.scheme
+    qmin, qmax = int_range(s.act_bits)
+    scale = token_scale(x, s.act_bits)  # (m, 1) fp32
+    scaled = (x.float() * (1.0 / scale)).round_().clamp_(qmin, qmax)
+    return _scaled_groups(scaled, weights.q, weights.scale, _cpu_packs(weights), s.weight_bits).mul_(scale)
 
 
 def scaled_int_matmul(a: Tensor, q: Tensor, scale: Tensor) -> Tensor:
@@ -196,14 +215,15 @@ def lowbit_linear(x: Tensor, weights: LowBitWeights, bias: Optional[Tensor] = No
     if scheme.act_bits is None:  # weight only: activations stay in x's float dtype
         return F.linear(x, dequantize_weight(weights.q, weights.scale).to(x.dtype), bias)
     lead = x.shape[:-1]
-    qx, sx = quantize_tokens(x.reshape(-1, x.shape[-1]), scheme.act_bits)  # (m, in) int8, (m, 1) fp32
     if _triton_ready(x, weights):
         from inference import lowbit_triton
 
+        qx, sx = quantize_tokens(x.reshape(-1, x.shape[-1]), scheme.act_bits)  # (m, in) int8, (m, 1) fp32
         y = lowbit_triton.int4_matmul(qx, sx, weights.packed, weights.scale)  # (m, out) fp32, token scale in
     elif not x.is_cuda and _cpu_gemm_available():
-        y = _scaled_groups(qx, weights.q, weights.scale, _cpu_packs(weights), scheme.weight_bits).mul_(sx)
+        y = _cpu_lowbit(x.reshape(-1, x.shape[-1]), weights)  # (m, out) fp32
     else:
+        qx, sx = quantize_tokens(x.reshape(-1, x.shape[-1]), scheme.act_bits)
         y = scaled_int_matmul(qx, weights.q, weights.scale).mul_(sx)  # (m, out) fp32
     if bias is not None:
         y = y.add_(bias.float())
