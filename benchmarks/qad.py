@@ -10,6 +10,8 @@ Part 1, accuracy (the warm-started embedded default, 4 blocks of width 128): for
   QAD          whole-model KL(teacher || student) from step 0 (`qad`);
   Theseus      segments of 1, 2 blocks matched to the teacher, then whole-model KL (`theseus`);
   Theseus-QAT  the Theseus stages as a warm-up for half the steps, then QAT (`theseus_qat`);
+  FP-SFT       the full-precision model trained with SFT for the same steps (`--fp-sft`): the
+               reference for QAT, which also trains on the task's worked solutions;
 
 each exported (compressed-tensors), reloaded by `inference.quantized.load_quantized` and scored
 greedily on held-out `arith` questions through the integer matmuls (`acc`); beside it the
@@ -61,6 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--fp-sft", action=argparse.BooleanOptionalAction, default=True,
+                   help="also train the full-precision model with SFT for the same steps (a reference for QAT)")
     p.add_argument("--skip-accuracy", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
     return p.parse_args(argv)
@@ -69,7 +73,7 @@ def parse_args(argv=None):
 # --- part 1: accuracy ------------------------------------------------------------------------------------
 
 
-def train_and_export(overrides: list[str], out: str):
+def train_and_export(overrides: list[str], out: str, algo: str = "qad"):
     """One in-process training run (`train.py` without the process): returns (session, final dir)."""
     from algorithms import config_schemas
     from trainer.config import load_config
@@ -78,7 +82,7 @@ def train_and_export(overrides: list[str], out: str):
     from trainer.setup import build_session, export_final
     from trainer.warm_start import ensure
 
-    cfg = load_config(["+algo=qad", f"output_dir={out}", "logging.wandb=false", "logging.progress=false",
+    cfg = load_config([f"+algo={algo}", f"output_dir={out}", "logging.wandb=false", "logging.progress=false",
                        "trainer.eval_examples=4", "trainer.eval_max_new_tokens=4", "trainer.eval_every=100000",
                        "trainer.save_every=100000", "trainer.resume=never", *overrides], config_schemas())
     world = World()
@@ -137,7 +141,17 @@ def accuracy_part(args, work: str) -> dict:
     common = [f"trainer.batch_size={args.batch_size}", f"trainer.micro_batch_size={args.batch_size}",
               f"trainer.lr={args.lr}", "trainer.warmup_steps=5", f"algo.block_error_every={max(1, args.steps // 12)}"]
     table: dict = {"FP": fp, "formats": {}}
-    for fmt in args.formats.split(","):
+    if args.fp_sft:  # the same steps of plain SFT on the full-precision model: what training on the task adds
+        accs = []
+        for seed in map(int, args.seeds.split(",")):
+            out = os.path.join(work, f"sft-{seed}")
+            _, final = train_and_export([f"trainer.max_steps={args.steps}", f"seed={seed}", *common[:-1]], out, "sft")
+            model, _ = load_pretrained(final)
+            accs.append(score(task, tokenizer, examples, greedy(model, tokenizer, prompts, args.max_new_tokens, None)))
+            print(f"FP-SFT seed {seed}: {accs[-1]:.3f}", flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+        table["FP-SFT"] = {"acc": accs, "acc_mean": statistics.mean(accs)}
+    for fmt in filter(None, args.formats.split(",")):
         entry: dict = {}
         runs = [("PTQ", "ptq", 0)] + [(m, s, seed) for m, s in METHODS.items() for seed in map(int, args.seeds.split(","))]
         for label, schedule, seed in runs:
@@ -170,7 +184,8 @@ def accuracy_part(args, work: str) -> dict:
 
 def print_accuracy(table: dict) -> None:
     labels = ["PTQ", *METHODS]
-    print(f"\nheld-out accuracy after export + reload (mean over seeds; fake-quant in brackets); FP {table['FP']:.3f}")
+    sft = f", FP + the same steps of SFT {table['FP-SFT']['acc_mean']:.3f}" if "FP-SFT" in table else ""
+    print(f"\nheld-out accuracy after export + reload (mean over seeds; fake-quant in brackets); FP {table['FP']:.3f}{sft}")
     print("format " + "".join(f"{l:>22s}" for l in labels))
     for fmt, entry in table["formats"].items():
         cells = [f"{entry[l]['acc_mean']:.3f} ({entry[l]['fq_mean']:.3f})" for l in labels]
@@ -198,7 +213,7 @@ def speed_part(args, work: str) -> dict:
                       initializer_range=0.05).eval()
     gen = torch.Generator().manual_seed(0)
     results: dict = {"model": {"hidden": H, "layers": args.wide_layers, "intermediate": 3 * H}, "formats": {}}
-    for fmt in args.formats.split(","):
+    for fmt in filter(None, args.formats.split(",")):
         import copy
 
         fq = copy.deepcopy(fp)
