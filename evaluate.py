@@ -1,6 +1,7 @@
 """Held-out accuracy of a model: `python evaluate.py model.path=DIR data=NAME [trainer.eval_examples=N]`.
 
-Prints one JSON line with `accuracy`, `step_accuracy` and `n`.
+Prints one JSON line with `accuracy`, `step_accuracy` and `n`. A quantized export (compressed-tensors,
+e.g. a `+algo=qad` run's final/) is evaluated as served: on the runtime's low-bit path.
 """
 from __future__ import annotations
 
@@ -27,12 +28,24 @@ def main(argv: list[str]) -> int:
 
     world = World()
     ensure(cfg.model, world)  # the default model, when no model.path is given
-    model, tokenizer = load_model(cfg.model, world)
+    model, tokenizer = _load(cfg.model, world, load_model)
     task = build_task_from(cfg.data)
     examples = list(task.test_examples())[: cfg.trainer.eval_examples]
     result = evaluate(model.eval(), tokenizer, task, examples, world, cfg.trainer.eval_max_new_tokens)
     print(json.dumps(result))
     return 0
+
+
+def _load(m, world, load_model):
+    import os
+
+    from models.quant_export import is_compressed
+
+    if m.path is not None and is_compressed(os.path.expanduser(m.path)):
+        from inference.quantized import load_quantized
+
+        return load_quantized(os.path.expanduser(m.path), world.device)
+    return load_model(m, world)
 
 
 if __name__ == "__main__":

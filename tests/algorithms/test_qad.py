@@ -296,6 +296,12 @@ def test_ptq_with_zero_steps_evaluates_and_exports_round_to_nearest(tmp_path, su
         ref_q, ref_scale = quantize_weight(start.get_submodule(name).weight, 4, 16)
         assert torch.equal(q, ref_q) and torch.equal(scale, ref_scale), name
     assert len(ckpt.quantized) == 4 * 7
+    # evaluate.py serves the export on the low-bit path
+    proc = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), f"model.path={out / 'final'}", "data.n_test=8",
+                           "trainer.eval_examples=8", "trainer.eval_max_new_tokens=8", "logging.wandb=false"],
+                          env=subprocess_env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["n"] == 8
 
 
 @pytest.mark.slow  # torchrun, 2 ranks: ~60 s
