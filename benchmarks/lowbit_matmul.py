@@ -1,15 +1,17 @@
-"""Benchmark: one linear, side by side: fp32 F.linear vs the runtime's low-bit op vs torch._int_mm alone.
+"""Benchmark: one linear, side by side: fp32 F.linear vs the runtime's low-bit op vs the integer GEMMs alone.
 
 Claim measured: what the real integer GEMM of `inference.lowbit.lowbit_linear` costs on this
 machine next to the float matmul it replaces, and how much of it is the integer GEMM itself.
 Columns, per shape (x (m, k)) (k, n)):
   fp32        F.linear(x, W) on fp32 weights
-  W8A8        lowbit_linear: per-token activation quantization + one torch._int_mm (int8 weights,
-              per-channel scales) + scaling, fp32 out
-  W4A8        the same op on 4-bit weights, per channel (the CPU torch path multiplies the int8
-              copy of the int4 values, so this costs what W8A8 does)
-  W4A8 g128   4-bit weights with groups of 128 columns: one torch._int_mm per group
-  int_mm      torch._int_mm(int8 (m, k), int8 (k, n)) -> int32 alone: the integer GEMM floor
+  W8A8        lowbit_linear: per-token activation quantization + the integer GEMM (int8 weights,
+              per-channel scales; on CPU FBGEMM, two passes: see inference/lowbit.py) + scaling
+  W4A8        the same op on 4-bit weights, per channel (one FBGEMM pass on CPU)
+  W4A8 g128   4-bit weights with groups of 128 columns: one GEMM per group
+  fbgemm w4   the CPU integer GEMM alone, 4-bit weights (cpu_int_matmul, one pass)
+  fbgemm w8   the CPU integer GEMM alone, 8-bit weights (two passes)
+  int_mm      torch._int_mm(int8 (m, k), int8 (k, n)) -> int32 alone (exact, but without VNNI / AMX
+              it has no fast CPU kernel: the reason the CPU path uses FBGEMM)
 Each figure is the median over `--repeats` samples of the mean time per call (each sample runs
 enough calls to last about 20 ms), after a warm-up, under inference_mode.
 
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from inference.lowbit import LowBitLinear, lowbit_linear  # noqa: E402
+from inference.lowbit import LowBitLinear, _cpu_gemm_available, _prepack, cpu_int_matmul, lowbit_linear  # noqa: E402
 from models.quant import QuantScheme, quantize_tokens  # noqa: E402
 
 SHAPES = [(1, 512, 1536), (32, 512, 1536), (32 * 64, 512, 1536), (64, 1024, 1024)]  # (m, k, n)
@@ -76,6 +78,10 @@ def bench_shape(m: int, k: int, n: int, repeats: int) -> dict[str, float]:
         "W4A8 g128": lambda: lowbit_linear(x, w4g),
         "int_mm": lambda: torch._int_mm(qx, b),
     }
+    if _cpu_gemm_available():
+        p4, p8 = _prepack(w4.q), _prepack(w8.q)
+        ops["fbgemm w4"] = lambda: cpu_int_matmul(qx.clamp(-8, 7), p4, 4)
+        ops["fbgemm w8"] = lambda: cpu_int_matmul(qx, p8, 8)
     with torch.inference_mode():
         return {name: time_call(op, repeats) * 1e6 for name, op in ops.items()}  # microseconds
 
@@ -88,7 +94,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     results = []
-    columns = ["fp32", "W8A8", "W4A8", "W4A8 g128", "int_mm"]
+    columns = ["fp32", "W8A8", "W4A8", "W4A8 g128", "int_mm"] + (["fbgemm w4", "fbgemm w8"] if _cpu_gemm_available() else [])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; microseconds per call "
           f"(x fp32 time in parentheses)")
     print(f"{'shape (m x k)(k x n)':>24} " + " ".join(f"{c:>17}" for c in columns))
