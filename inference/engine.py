@@ -25,7 +25,8 @@ The four seams, each a named place a later fast path plugs in without a second c
                     (`rollout.StopRule`) exist once, in this loop.
   (2) linear op     `lean.Projection` / `lean.LinearOp`: every projection of the lean forward is
                     a callable read from the weights (`lean.read_weights(..., linear=...)`; today
-                    F.linear on full-precision weights).
+                    F.linear on full-precision weights, `lowbit.lowbit_linear` -- integer GEMMs --
+                    on the LowBitLinear modules of a quantized export).
   (3) routing       `lean.Route`, asked per layer in `lean.run_layers` which rows run the layer
                     body; the default `lean.dense` runs all rows through every layer.
   (4) cache         `lean.KVCache`: the forward writes K/V only through `KVCache.write(layer,
