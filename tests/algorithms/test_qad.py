@@ -233,14 +233,30 @@ def train(args, env):
                           timeout=600, cwd=ROOT)
 
 
-@pytest.mark.parametrize("override,message", [
+BAD_INPUT = [
     ("algo.format=W5A5", "algo.format / algo.group_size: quantization format 'W5A5' is not one of"),
     ("algo.group_size=24", "algo.group_size=24 does not divide the input width 32 of model.layers.0.self_attn.q_proj"),
     ("algo.keep=[lm_head,model.decoder.*]", "algo.keep pattern 'model.decoder.*' matches no module"),
     ("algo.stage_steps=[1,1,1]", "algo.stage_steps=[1, 1, 1] sums to 3, not trainer.max_steps=6"),
-])
-def test_bad_input_fails_before_any_work(tmp_path, subprocess_env, override, message):
+]
+
+
+@pytest.mark.parametrize("override,message", BAD_INPUT)
+def test_bad_input_is_one_config_error_naming_it(tmp_path, override, message):
+    from algorithms import config_schemas
+    from trainer.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config(tiny_overrides(tmp_path / "run", *QAD_TINY, "trainer.max_steps=6", override, algo="qad"),
+                    config_schemas())
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_bad_input_exits_before_any_work(tmp_path, subprocess_env):
+    """train.py: one stderr line, exit code 2, output_dir never created (one case; the others are
+    the same ConfigError path, checked in-process above)."""
     out = tmp_path / "run"
+    override, message = BAD_INPUT[1]
     proc = train(tiny_overrides(out, *QAD_TINY, "trainer.max_steps=6", override, algo="qad"), subprocess_env)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
