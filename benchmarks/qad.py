@@ -15,8 +15,8 @@ Part 1, accuracy (the warm-started embedded default, 4 blocks of width 128): for
 
 each exported (compressed-tensors), reloaded by `inference.quantized.load_quantized` and scored
 greedily on held-out `arith` questions through the integer matmuls (`acc`); beside it the
-in-memory fake-quant model's accuracy (`fq`) and the share of prompts whose greedy completion is
-identical in both (`same`). Theseus runs also report the per-block output error (nmse given the
+in-memory fake-quant model's accuracy as the trainer evaluates it (`fq`) and the share of prompts
+whose greedy completion is identical in both (`same`). Theseus runs also report the per-block output error (nmse given the
 teacher's input) measured at the end of each stage.
 
 Part 2, the runtime's low-bit path on a wider model (`--wide-hidden`, default 512; random weights,
@@ -161,7 +161,7 @@ def accuracy_part(args, work: str) -> dict:
             session, final = train_and_export([f"algo.format={fmt}", f"algo.schedule={schedule}",
                                                f"trainer.max_steps={steps}", f"seed={seed}", *common], out)
             fq_model = session.backend.full_model().eval()
-            fq_out = greedy(fq_model, tokenizer, prompts, args.max_new_tokens, False)
+            fq_out = greedy(fq_model, tokenizer, prompts, args.max_new_tokens, None)  # lean: the trainer's eval path
             served, _ = load_quantized(final)
             rt_out = greedy(served, tokenizer, prompts, args.max_new_tokens, True)
             result = {"acc": score(task, tokenizer, examples, rt_out), "fq": score(task, tokenizer, examples, fq_out),
@@ -244,7 +244,7 @@ def speed_part(args, work: str) -> dict:
                                     "decode_speedup": timings["lowbit"]["decode_tok_s"] / timings["fp"]["decode_tok_s"]}
         prompts = torch.randint(3, len(tok), (8, 32), generator=gen).tolist()
         a = greedy(served, tok, prompts, 24, True)
-        b = greedy(fq, tok, prompts, 24, False)
+        b = greedy(fq, tok, prompts, 24, None)
         row["greedy_same_as_fake_quant"] = sum(x == y for x, y in zip(a, b)) / len(prompts)
         results["formats"][fmt] = row
         print(f"{fmt}: {json.dumps(row)}", flush=True)

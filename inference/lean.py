@@ -8,8 +8,9 @@ What it supports (anything else falls back to the HF path in `hf_backend.py`):
   RMSNorm pre-norm decoder layers, default RoPE (`config.rope_parameters["rope_theta"]`, no
   scaling), GQA, SiLU-gated MLP, optional q/k/v/o/MLP biases (Qwen2, Llama `attention_bias`),
   optional per-head q/k RMSNorm (Qwen3), tied or untied lm_head, full attention only, and
-  projections that are plain `torch.nn.Linear` or `lowbit.LowBitLinear` (real low-bit weights);
-  any other Linear subclass (LoRA, training's fake-quant linears) must run its own forward.
+  projections that are plain `torch.nn.Linear`, `lowbit.LowBitLinear` (real low-bit weights) or
+  training's `models.quant.FakeQuantLinear` (run with the same low-bit op, from integers taken
+  from its live weights); any other Linear subclass (LoRA) must run its own forward.
 
 Weights are read by reference from the model at the start of each `generate` call; the fused
 q|k|v and gate|up matrices built from them live only for that call, so weight updates between
@@ -44,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference.lowbit import LowBitLinear, LowBitWeights, lowbit_linear
+from models.quant import FakeQuantLinear, pack_int4, quantize_weight
 
 # HF class name -> whether its attention applies per-head q/k RMSNorm.
 LEAN_ARCHITECTURES = {"Qwen3ForCausalLM": True, "Qwen2ForCausalLM": False, "LlamaForCausalLM": False}
@@ -87,13 +89,17 @@ def _config_reason(model: nn.Module) -> str | None:
     return None
 
 
-# The projection modules the lean forward reads weights from (exact types, not subclasses).
-LEAN_LINEARS = (nn.Linear, LowBitLinear)
+# The projection modules the lean forward reads weights from (exact types, not subclasses), and
+# those it runs with the low-bit op: a quantized export's LowBitLinear, and training's
+# FakeQuantLinear, whose integers and scales are taken from its live weights at each call (so the
+# trainer's eval of a fake-quant student runs exactly what its export will serve).
+LEAN_LINEARS = (nn.Linear, LowBitLinear, FakeQuantLinear)
+LOW_BIT = (LowBitLinear, FakeQuantLinear)
 
 
 def _module_reason(model: nn.Module) -> str | None:
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and type(module) is not nn.Linear:
+        if isinstance(module, nn.Linear) and type(module) not in LEAN_LINEARS:
             return f"{name} is a {type(module).__name__}, not a plain torch.nn.Linear"
         if module._forward_hooks or module._forward_pre_hooks:
             return f"{name or 'model'} has forward hooks the lean path would skip"
@@ -108,7 +114,7 @@ def _module_reason(model: nn.Module) -> str | None:
         expected += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     for module in expected:
         if type(module) not in LEAN_LINEARS:
-            return f"{type(module).__name__} where a plain Linear or a LowBitLinear was expected"
+            return f"{type(module).__name__} where a plain Linear or a low-bit linear was expected"
     return _norm_reason(model)
 
 
@@ -220,13 +226,25 @@ def _projection(linear: LinearOp, *modules: nn.Module) -> Projection:
     scheme: their integers and scales concatenated (`LowBitWeights.cat`) under `lowbit_linear`.
     A mix (float and low-bit, or two schemes): each module its own projection, outputs concatenated.
     """
-    lowbit = [isinstance(m, LowBitLinear) for m in modules]
+    lowbit = [isinstance(m, LOW_BIT) for m in modules]
     if not any(lowbit):
         weight = modules[0].weight if len(modules) == 1 else torch.cat([m.weight for m in modules])
         return Projection(weight.detach(), _detach(_cat_bias(*modules)), linear)
     if all(lowbit) and len({m.scheme for m in modules}) == 1:
-        return Projection(LowBitWeights.cat([m.weights() for m in modules]), _cat_bias(*modules), lowbit_linear)
+        weights = LowBitWeights.cat([_lowbit_weights(m) for m in modules])
+        return Projection(weights, _detach(_cat_bias(*modules)), lowbit_linear)
     return Projection([_projection(linear, m) for m in modules], None, _concat)
+
+
+def _lowbit_weights(module: nn.Module) -> LowBitWeights:
+    """The low-bit op's operands of a LowBitLinear (stored), or of a FakeQuantLinear (quantized now
+    from its live weights by `models.quant.quantize_weight`, the integers its own forward uses)."""
+    if isinstance(module, LowBitLinear):
+        return module.weights()
+    s = module.scheme
+    q, scale = quantize_weight(module.weight.detach(), s.weight_bits, s.group_size)
+    packed = pack_int4(q) if s.weight_bits == 4 and q.is_cuda else None  # the Triton kernel reads packed words
+    return LowBitWeights(q, scale, s, packed)
 
 
 def _layer_weights(layer: nn.Module, dims: Dims, linear: LinearOp) -> LayerWeights:

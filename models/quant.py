@@ -188,10 +188,55 @@ def unpack_int4(packed: Tensor) -> Tensor:
 # --- modules ------------------------------------------------------------------------------------------
 
 
+class _ToIntegers(torch.autograd.Function):
+    """clamp(round(x * (1 / scale)), qmin, qmax) as fp32 integers; straight-through backward
+    (grad / scale where the rounded value was not clamped, 0 elsewhere)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, scale: Tensor, bits: int) -> Tensor:
+        qmin, qmax = int_range(bits)
+        inv = 1.0 / scale
+        rounded = torch.round(x.float() * inv)
+        ctx.save_for_backward((rounded >= qmin) & (rounded <= qmax), inv)
+        return torch.clamp(rounded, qmin, qmax)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        inside, inv = ctx.saved_tensors
+        return grad * inside.to(grad.dtype) * inv, None, None
+
+
+def quantized_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], scheme: QuantScheme) -> Tensor:
+    """F.linear(fq_tokens(x), fq_weight(W), b), computed the way the runtime's integer GEMM computes
+    it: the integer products summed per weight group (exact in fp32 while below 2^24, as the
+    int32 sums are), times the group's weight scales, summed over groups, times the token scale,
+    plus the bias -- the same fp32 operations in the same order as `inference.lowbit`, so a
+    quantized export reproduces the fake-quant forward bit for bit. Straight-through gradients."""
+    if scheme.act_bits is None:
+        return F.linear(x, fake_quant_weight(weight, scheme.weight_bits, scheme.group_size), bias)
+    lead, width = x.shape[:-1], x.shape[-1]
+    w_scale = weight_scale(weight, scheme.weight_bits, scheme.group_size)  # (out, G)
+    qw = _ToIntegers.apply(weight, _per_column(w_scale, width), scheme.weight_bits)  # (out, in)
+    flat = x.reshape(-1, width)
+    x_scale = token_scale(flat, scheme.act_bits)  # (m, 1)
+    qx = _ToIntegers.apply(flat, x_scale, scheme.act_bits)  # (m, in)
+    groups = w_scale.shape[1]
+    size = width // groups
+    y = None
+    for g in range(groups):
+        cols = slice(g * size, (g + 1) * size)
+        part = F.linear(qx[:, cols], qw[:, cols]) * w_scale[:, g]
+        y = part if y is None else y + part
+    y = y * x_scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*lead, weight.shape[0])
+
+
 class FakeQuantLinear(nn.Linear):
-    """An nn.Linear whose forward is F.linear(fq_tokens(x), fq_weight(W), b): same parameters,
-    same state-dict keys, low-bit numerics. The weights stay full precision (the optimizer updates
-    them); the quantization is recomputed at every forward."""
+    """An nn.Linear whose forward is F.linear(fq_tokens(x), fq_weight(W), b) (`quantized_linear`):
+    same parameters, same state-dict keys, low-bit numerics. The weights stay full precision (the
+    optimizer updates them); the quantization is recomputed at every forward."""
 
     scheme: QuantScheme
 
@@ -205,10 +250,7 @@ class FakeQuantLinear(nn.Linear):
         return module
 
     def forward(self, x: Tensor) -> Tensor:
-        s = self.scheme
-        if s.act_bits is not None:
-            x = fake_quant_tokens(x, s.act_bits)
-        return F.linear(x, fake_quant_weight(self.weight, s.weight_bits, s.group_size), self.bias)
+        return quantized_linear(x, self.weight, self.bias, self.scheme)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, scheme={self.scheme.name}, group_size={self.scheme.group_size}"

@@ -253,11 +253,30 @@ def test_greedy_tokens_of_the_lowbit_engine_equal_the_fake_quant_hf_path(fmt, gr
         assert [o.tokens for o in outs] != [o.tokens for o in Engine(tiny_model()).generate(prompts(), GREEDY)]
 
 
-def test_fake_quant_model_still_falls_back_and_lowbit_does_not():
-    fake = fake_quantized("W4A8", 16)
-    assert "FakeQuantLinear" in lean_unsupported_reason(fake)
-    assert not Engine(fake).lean_active()
-    assert Engine(to_lowbit(fake)).lean_active()
+@pytest.mark.parametrize("fmt,group", [("W4A4", 0), ("W4A8", 16), ("W8A8", 0), ("W8A8", 16), ("W4A16", 32)])
+def test_fake_quant_forward_equals_the_lowbit_op_bit_for_bit(fmt, group):
+    """Training's fake-quant forward runs the same fp32 operations in the same order as the
+    runtime's integer GEMM, so a quantized export reproduces it exactly (not just to rounding)."""
+    fq, module, _ = linear_pair(fmt, group)
+    x = torch.randn(3, 7, 64) * 2
+    with torch.no_grad():
+        assert torch.equal(module(x), fq(x))
+
+
+def test_lean_runs_a_fake_quant_model_with_the_lowbit_op_and_equals_its_export():
+    """The trainer's eval of a fake-quant student (lean, low-bit op on integers taken from the live
+    weights) gives the tokens its converted export gives: the same forward, the same integers."""
+    fake = fake_quantized("W4A4", 0)
+    assert lean_unsupported_reason(fake) is None
+    engine = Engine(fake)
+    assert engine.lean_active()
+    served = to_lowbit(copy.deepcopy(fake))
+    long = SamplingParams(max_new_tokens=24, temperature=0.0)
+    with torch.no_grad():
+        assert [o.tokens for o in engine.generate(prompts(), long)] == \
+            [o.tokens for o in Engine(served).generate(prompts(), long)]
+        layer = lean.read_weights(fake, lean.read_dims(fake)).layers[0]
+    assert isinstance(layer.qkv.weight, LowBitWeights) and layer.qkv.op is lowbit_linear
 
 
 # ----------------------------------------------------------------------------- the Triton kernel

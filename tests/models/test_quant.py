@@ -70,9 +70,15 @@ def test_fake_quant_linear_gradients_reach_weights_and_inputs():
     x = torch.randn(3, 16, requires_grad=True)
     fq(x).square().sum().backward()
     assert lin.weight.grad.abs().sum() > 0 and x.grad.abs().sum() > 0
-    # forward = F.linear of the two fake-quantized operands
+    # forward = F.linear of the two fake-quantized operands (computed in the integer domain, so
+    # equal to fp32 rounding), and the same straight-through gradients
+    grads = (x.grad.clone(), lin.weight.grad.clone())
+    x.grad = lin.weight.grad = None
     ref = torch.nn.functional.linear(fake_quant_tokens(x, 4), fake_quant_weight(lin.weight, 4), lin.bias)
-    assert torch.equal(fq(x), ref)
+    torch.testing.assert_close(fq(x), ref, rtol=1e-5, atol=1e-6)
+    ref.square().sum().backward()
+    torch.testing.assert_close(grads[0], x.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(grads[1], lin.weight.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_weight_only_formats_leave_activations_alone():
