@@ -106,13 +106,16 @@ def score(task, tokenizer, examples, completions) -> float:
 
 
 def stage_errors(out: str, num_layers: int) -> list[list[float]]:
-    """Per stage, the per-block errors of its last measurement (metrics.jsonl)."""
+    """The per-block errors before training (the first measurement, on the round-to-nearest student),
+    then per stage those of its last measurement (metrics.jsonl)."""
     rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
-    last: dict[int, list[float]] = {}
+    first, last = None, {}
     for r in rows:
         if r.get("split") == "train" and "qad/block_error/0" in r:
-            last[int(r["qad/stage"])] = [round(r[f"qad/block_error/{i}"], 5) for i in range(num_layers)]
-    return [last[s] for s in sorted(last)]
+            errors = [round(r[f"qad/block_error/{i}"], 5) for i in range(num_layers)]
+            first = errors if first is None else first
+            last[int(r["qad/stage"])] = errors
+    return [first] + [last[s] for s in sorted(last)]
 
 
 def accuracy_part(args, work: str) -> dict:
