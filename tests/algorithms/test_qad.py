@@ -252,6 +252,7 @@ def test_bad_input_is_one_config_error_naming_it(tmp_path, override, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.slow  # train.py subprocess: ~8 s
 def test_bad_input_exits_before_any_work(tmp_path, subprocess_env):
     """train.py: one stderr line, exit code 2, output_dir never created (one case; the others are
     the same ConfigError path, checked in-process above)."""

@@ -157,6 +157,7 @@ torch.save(out, sys.argv[2])
 """
 
 
+@pytest.mark.slow  # a torchao side process (and, once, its installation): ~10 s
 def test_weight_fake_quant_equals_torchao(torchao_peer, tmp_path):
     torch.manual_seed(0)
     w = torch.randn(24, 64) * torch.rand(24, 1) * 3  # rows of different ranges
