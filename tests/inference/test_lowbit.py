@@ -315,6 +315,7 @@ INTERPRETER_CHECK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a subprocess under the Triton interpreter: ~7 s
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_int4_kernel_under_the_interpreter(subprocess_env):
     env = {**subprocess_env, "TRITON_INTERPRET": "1"}
