@@ -334,3 +334,43 @@ def test_torchrun_two_ranks_end_to_end(tmp_path, subprocess_env):
     assert "qad/block_error/3" in train_rows[0] and "qad/block_error/3" in train_rows[3]
     assert is_compressed(str(out / "final"))
     assert read_compressed(str(out / "final")).scheme.name == "W8A8"
+
+
+def test_teacher_completions_are_the_teachers_greedy_outputs():
+    from inference import Engine, SamplingParams
+
+    algo, model, tok, task = setup(completions="teacher", block_error_every=0)
+    examples = task.train_examples()[:3]
+    batch = algo.make_batch(examples, ctx(model, tok, task, max_new_tokens=12))
+    prompts = [tok(task.prompt(ex), add_special_tokens=False).input_ids for ex in examples]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=(tok.eos_token_id,))
+    expected = [p + list(o.tokens) for p, o in zip(prompts, Engine(algo.teacher).generate(prompts, params))]
+    for row, ids, mask in zip(expected, batch.input_ids.tolist(), batch.attention_mask.tolist()):
+        assert ids[: sum(mask)] == row
+
+
+@pytest.mark.slow  # train.py subprocess: ~20 s
+def test_train_with_the_other_options_end_to_end(tmp_path, subprocess_env):
+    """theseus_qat with teacher completions, student segment inputs, mse on completion tokens, grouped
+    weight-only quantization and the dequantized export, through train.py."""
+    from transformers import AutoModelForCausalLM
+
+    from models.quant_export import read_compressed
+
+    out = tmp_path / "run"
+    proc = train(tiny_overrides(out, *QAD_TINY, "trainer.max_steps=6", "algo.schedule=theseus_qat",
+                                "algo.completions=teacher", "algo.segment_input=student", "algo.hidden_loss=mse",
+                                "algo.hidden_tokens=completion", "algo.format=W4A16", "algo.group_size=16",
+                                "algo.export_dequantized=true", "trainer.max_new_tokens=16", algo="qad"),
+                 subprocess_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["split"] == "train"]
+    assert [r["qad/stage"] for r in train_rows] == [0, 1, 2, 3, 3, 3]  # 3 Theseus stages, then QAT
+    assert "qad/hidden_error" in train_rows[0] and "qad/kl" in train_rows[2] and "qad/ce" in train_rows[-1]
+    ckpt = read_compressed(str(out / "final"))
+    assert ckpt.scheme.name == "W4A16" and ckpt.scheme.group_size == 16
+    plain = AutoModelForCausalLM.from_pretrained(out / "final" / "dequantized")
+    q, scale = ckpt.quantized["model.layers.0.mlp.down_proj"]
+    w = plain.model.layers[0].mlp.down_proj.weight.detach()
+    assert torch.equal(w, q.float() * scale.repeat_interleave(16, dim=1))
