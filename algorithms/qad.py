@@ -273,7 +273,6 @@ class QAD:
         self.stages: list[Stage] = []
         self.steps_done = 0  # make_batch calls so far (checkpointed): the schedule position
         self.num_layers = 0
-        self.max_steps: Optional[int] = None  # set by `plan` (the trainer's budget)
 
     # setup
 
@@ -291,7 +290,6 @@ class QAD:
         return model
 
     def plan(self, max_steps: int) -> list[Stage]:
-        self.max_steps = max_steps
         self.stages = plan_stages(self.cfg, self.num_layers, max_steps)
         return self.stages
 
@@ -318,19 +316,21 @@ class QAD:
         return self.teacher
 
     @torch.no_grad()
-    def teacher_states(self, ids: torch.Tensor, attn: torch.Tensor, device: torch.device
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input state of every block and the last block's output (B, T, L + 1, H), final normed
-        states (B, T, H)) of the teacher, `teacher_batch_size` rows per forward."""
+    def teacher_states(self, ids: torch.Tensor, attn: torch.Tensor, device: torch.device, boundaries: bool = True
+                       ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """(input state of every block and the last block's output (B, T, L + 1, H) -- None unless
+        `boundaries` --, final normed states (B, T, H)) of the teacher, `teacher_batch_size` rows
+        per forward."""
         teacher = self._teacher(device)
         states, finals = [], []
         for start in range(0, ids.shape[0], self.cfg.teacher_batch_size):
             rows = slice(start, start + self.cfg.teacher_batch_size)
             with segment_hooks(teacher, [], None) as (seen, outs):
                 finals.append(run_decoder(teacher, ids[rows], attn[rows]))
-            L = self.num_layers
-            states.append(torch.stack([seen[i] for i in range(L)] + [outs[L - 1]], 2))
-        return torch.cat(states), torch.cat(finals)
+            if boundaries:
+                L = self.num_layers
+                states.append(torch.stack([seen[i] for i in range(L)] + [outs[L - 1]], 2))
+        return (torch.cat(states) if boundaries else None), torch.cat(finals)
 
     def make_batch(self, examples: Sequence[Any], ctx: RolloutContext) -> Batch:
         index, stage = self.current_stage()
@@ -348,7 +348,8 @@ class QAD:
         batch = Batch(ids, attn, loss_mask, uids=[ex.uid for ex in examples], metrics=metrics)
         if stage.kind == CE and not self._measure(step):
             return batch
-        states, final = self.teacher_states(ids, attn, ctx.device)
+        # block-boundary states only where used: a hidden stage, or a block-error measurement
+        states, final = self.teacher_states(ids, attn, ctx.device, stage.kind == HIDDEN or self._measure(step))
         if self._measure(step):
             metrics.update(self.block_errors(ctx.policy, ids, attn, states))
         if stage.kind == HIDDEN:

@@ -2,7 +2,6 @@
 numerics against torchao's QAT fake-quantizers (run in a side process: see `torchao_peer`)."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
