@@ -98,6 +98,8 @@ LOW_BIT = (LowBitLinear, FakeQuantLinear)
 
 
 def _module_reason(model: nn.Module) -> str | None:
+    if getattr(model, "skipper_state", None) is not None:
+        return "the model has a layer skipper (routed execution is not wired into the lean path yet)"
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and type(module) not in LEAN_LINEARS:
             return f"{name} is a {type(module).__name__}, not a plain torch.nn.Linear"
