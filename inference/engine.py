@@ -71,11 +71,20 @@ class EngineConfig:
     False = always the HF forward.
     compile: torch.compile the cache-free halves of each lean layer (lean path only); off by
     default because on CPU its first call costs tens of seconds (see benchmarks/generate.py).
+    skip_mode: how a layer-skipper model's routed layers run on the lean path
+    (`skip_routing.py`): auto (a measured cost gate picks per step), routed, or masked.
     """
 
     max_seq_len: int | None = None
     use_lean: bool | None = None
     compile: bool = False
+    skip_mode: str = "auto"
+
+    def __post_init__(self) -> None:
+        from inference.skip_routing import MODES
+
+        if self.skip_mode not in MODES:
+            raise ValueError(f"EngineConfig.skip_mode={self.skip_mode!r} is not one of {', '.join(MODES)}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -257,6 +266,7 @@ class Engine:
         if self.use_lean:
             self._require_lean()
         self._rope: Rope | None = None  # RoPE tables, reused across calls while still valid
+        self.route = None  # the last lean call's route (seam 3); a SkipRoute carries `stats`
 
     def _require_lean(self) -> None:
         reason = lean_unsupported_reason(self.model)
@@ -277,7 +287,9 @@ class Engine:
         dims = read_dims(self.model)
         self._rope = rope_tables(self.model, max_len, self._rope)
         blocks = compiled_blocks() if self.compile else EAGER
-        return LeanBackend(self.model, dims, self._rope, batch, max_len, blocks)
+        backend = LeanBackend(self.model, dims, self._rope, batch, max_len, blocks, skip_mode=self.config.skip_mode)
+        self.route = backend.route  # a skip route's statistics stay readable after the call
+        return backend
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,

@@ -98,8 +98,6 @@ LOW_BIT = (LowBitLinear, FakeQuantLinear)
 
 
 def _module_reason(model: nn.Module) -> str | None:
-    if getattr(model, "skipper_state", None) is not None:
-        return "the model has a layer skipper (routed execution is not wired into the lean path yet)"
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and type(module) not in LEAN_LINEARS:
             return f"{name} is a {type(module).__name__}, not a plain torch.nn.Linear"
@@ -117,7 +115,23 @@ def _module_reason(model: nn.Module) -> str | None:
     for module in expected:
         if type(module) not in LEAN_LINEARS:
             return f"{type(module).__name__} where a plain Linear or a low-bit linear was expected"
-    return _norm_reason(model)
+    return _skipper_reason(model) or _norm_reason(model)
+
+
+def _skipper_layers(model: nn.Module) -> tuple[int, ...]:
+    """The routed layers of a layer-skipper model (`models.skipper`), () without one."""
+    state = getattr(model, "skipper_state", None)
+    return tuple(state.spec.layers) if state is not None else ()
+
+
+def _skipper_reason(model: nn.Module) -> str | None:
+    from models.skipper import Adapter, Router
+
+    for i in _skipper_layers(model):
+        skipper = getattr(model.model.layers[i], "skipper", None)
+        if skipper is None or type(skipper.router) is not Router or type(skipper.adapter) is not Adapter:
+            return f"layer {i} is routed by the skipper but has no plain router and adapter"
+    return None
 
 
 def _norm_reason(model: nn.Module) -> str | None:
@@ -198,6 +212,7 @@ class LayerWeights:
     post_norm: torch.Tensor  # (C,)
     gate_up: Projection  # (2 I, C) fused gate|up projection
     down: Projection  # (C, I)
+    skip: Any = None  # skip_routing.SkipWeights at a layer-skipper's routed layer, else None
 
 
 @dataclass
@@ -249,21 +264,28 @@ def _lowbit_weights(module: nn.Module) -> LowBitWeights:
     return LowBitWeights(q, scale, s, packed)
 
 
-def _layer_weights(layer: nn.Module, dims: Dims, linear: LinearOp) -> LayerWeights:
+def _layer_weights(layer: nn.Module, dims: Dims, linear: LinearOp, routed: bool = False) -> LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
     qk_norm = None
     if dims.qk_norm:
         q_rows = attn.q_norm.weight.detach().expand(dims.heads, dims.head_dim)
         k_rows = attn.k_norm.weight.detach().expand(dims.kv_heads, dims.head_dim)
         qk_norm = torch.cat([q_rows, k_rows])  # (H + H_kv, D)
+    qkv = _projection(linear, attn.q_proj, attn.k_proj, attn.v_proj)
+    skip = None
+    if routed:  # a layer-skipper's routed layer: its router, adapter and k|v projection
+        from inference.skip_routing import skip_weights
+
+        skip = skip_weights(layer, qkv, dims)
     return LayerWeights(
         input_norm=layer.input_layernorm.weight.detach(),
-        qkv=_projection(linear, attn.q_proj, attn.k_proj, attn.v_proj),
+        qkv=qkv,
         qk_norm=qk_norm,
         o=_projection(linear, attn.o_proj),
         post_norm=layer.post_attention_layernorm.weight.detach(),
         gate_up=_projection(linear, mlp.gate_proj, mlp.up_proj),
         down=_projection(linear, mlp.down_proj),
+        skip=skip,
     )
 
 
@@ -273,10 +295,12 @@ def _detach(tensor: torch.Tensor | None) -> torch.Tensor | None:
 
 def read_weights(model: nn.Module, dims: Dims, linear: LinearOp = FULL_PRECISION) -> Weights:
     """Reference the live weights (fusing q|k|v and gate|up for this call only); every float
-    projection, lm_head included, applies them with `linear`; LowBitLinear ones with `lowbit_linear`."""
+    projection, lm_head included, applies them with `linear`; LowBitLinear ones with `lowbit_linear`.
+    A layer-skipper's routed layers also carry their skip weights (`LayerWeights.skip`)."""
+    routed = set(_skipper_layers(model))
     return Weights(
         embed=model.model.embed_tokens.weight.detach(),
-        layers=[_layer_weights(layer, dims, linear) for layer in model.model.layers],
+        layers=[_layer_weights(layer, dims, linear, i in routed) for i, layer in enumerate(model.model.layers)],
         final_norm=model.model.norm.weight.detach(),
         lm_head=_projection(linear, model.lm_head),
     )
@@ -345,9 +369,14 @@ def attention_inputs(x: torch.Tensor, w: LayerWeights, dims: Dims, cos, sin_sign
 
     x: (B, T, C) -> q (B, T, H, D), k (B, T, H_kv, D), v (B, T, H_kv, D).
     """
-    B, T, _ = x.shape
+    return project_qkv(rms_norm(x, w.input_norm, dims.eps), w, dims, cos, sin_signed)
+
+
+def project_qkv(h: torch.Tensor, w: LayerWeights, dims: Dims, cos, sin_signed):
+    """`attention_inputs` from the already normed input h: (B, T, C)."""
+    B, T, _ = h.shape
     D, n_qk = dims.head_dim, dims.heads + dims.kv_heads
-    qkv = w.qkv(rms_norm(x, w.input_norm, dims.eps))  # (B, T, (H + 2 H_kv) D)
+    qkv = w.qkv(h)  # (B, T, (H + 2 H_kv) D)
     qk = qkv[..., : n_qk * D].view(B, T, n_qk, D)  # (B, T, H + H_kv, D)
     v = qkv[..., n_qk * D:].view(B, T, dims.kv_heads, D)  # (B, T, H_kv, D)
     if w.qk_norm is not None:
@@ -359,8 +388,13 @@ def attention_inputs(x: torch.Tensor, w: LayerWeights, dims: Dims, cos, sin_sign
 def attention_output_and_mlp(x: torch.Tensor, attn: torch.Tensor, w: LayerWeights, dims: Dims):
     """Output projection + residual, then the SiLU-gated MLP + residual. x: (B, T, C); attn: (B, T, H D)."""
     x = x + w.o(attn)
+    return x + mlp_block(x, w, dims)  # (B, T, C)
+
+
+def mlp_block(x: torch.Tensor, w: LayerWeights, dims: Dims) -> torch.Tensor:
+    """The SiLU-gated MLP of the post-attention norm of x (no residual): (B, T, C) -> (B, T, C)."""
     gate, up = w.gate_up(rms_norm(x, w.post_norm, dims.eps)).chunk(2, -1)  # (B, T, I) each
-    return x + w.down(F.silu(gate) * up)  # (B, T, C)
+    return w.down(F.silu(gate) * up)
 
 
 class Blocks(NamedTuple):
@@ -436,6 +470,18 @@ class KVCache:
         kv = self.kv[layer]
         return kv[KEY, : self.n, :, :end], kv[VALUE, : self.n, :, :end]
 
+    def write_rows(self, layer: int, start: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: (len(rows), T, H_kv, D) of the live rows `rows` -> their slots [start, start + T)."""
+        end = start + k.shape[1]
+        kv = self.kv[layer]
+        kv[KEY, rows, :, start:end] = k.transpose(1, 2)
+        kv[VALUE, rows, :, start:end] = v.transpose(1, 2)
+
+    def read_rows(self, layer: int, end: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`read` of the live rows `rows` only (a gathered copy): (len(rows), H_kv, end, D) each."""
+        kv = self.kv[layer]
+        return kv[KEY, :, :, :end].index_select(0, rows), kv[VALUE, :, :, :end].index_select(0, rows)
+
     def keep(self, rows: torch.Tensor, used: int, mask: bool = True) -> None:
         """Keep only `rows` (indices into the live rows), moved to the front in order; only slots
         [0, used) are copied. mask=False skips the key mask (all True when nothing is padded)."""
@@ -458,16 +504,6 @@ class KVCache:
 # ----------------------------------------------------------------------------- per-layer routing
 
 
-# Seam 3, per-layer routing: (layer index, hidden states (n, T, C)) -> the rows that run the layer
-# body, or None for all of them.
-Route = Callable[[int, torch.Tensor], Optional[torch.Tensor]]
-
-
-def dense(layer: int, x: torch.Tensor) -> None:
-    """Every row runs every layer (the only routing today's decoder implements)."""
-    return None
-
-
 def decoder_layer(x, w: LayerWeights, dims: Dims, blocks: Blocks, rope_rows, cache: KVCache, layer: int,
                   slot: int, mask):
     """One pre-norm block on new tokens written at slots [slot, slot + T). x: (n, T, C) -> (n, T, C)."""
@@ -478,19 +514,24 @@ def decoder_layer(x, w: LayerWeights, dims: Dims, blocks: Blocks, rope_rows, cac
     return blocks.output_and_mlp(x, attn, w, dims)  # (n, T, C)
 
 
+# Seam 3, per-layer routing: the callable that runs each layer,
+# (layer, x (n, T, C), LayerWeights, dims, blocks, rope rows, cache, slot, mask) -> (n, T, C).
+# `dense` runs every row through the whole layer; `skip_routing.SkipRoute` runs a layer-skipper's
+# routed layers (rows that run gathered, the others only K/V + adapter) and the rest densely.
+Route = Callable[..., torch.Tensor]
+
+
+def dense(layer: int, x, w: LayerWeights, dims: Dims, blocks: Blocks, rope_rows, cache: KVCache, slot: int, mask):
+    """Every row runs the whole layer (a routed layer's skipper, if any, is ignored)."""
+    return decoder_layer(x, w, dims, blocks, rope_rows, cache, layer, slot, mask)
+
+
 def run_layers(x, layers: Iterable[int], weights: Weights, dims: Dims, blocks: Blocks, rope_rows,
                cache: KVCache, slot: int, mask, route: Route = dense) -> torch.Tensor:
-    """Run `layers` (in order) on hidden states x: (n, T, C) at slots [slot, slot + T) -> (n, T, C).
-
-    `route` is asked before each layer which rows run its body. Only the dense answer (None) is
-    implemented: a row subset also needs a rule for what the skipped rows leave in that layer's
-    cache slots, which the layer-skipper that asks for it must bring.
-    """
+    """Run `layers` (in order) on hidden states x: (n, T, C) at slots [slot, slot + T) -> (n, T, C),
+    each through `route` (seam 3)."""
     for layer in layers:
-        if route(layer, x) is not None:
-            raise NotImplementedError(f"layer {layer}: routing a subset of rows through a layer is not "
-                                      "implemented (skipped rows would leave its cache slots unwritten)")
-        x = decoder_layer(x, weights.layers[layer], dims, blocks, rope_rows, cache, layer, slot, mask)
+        x = route(layer, x, weights.layers[layer], dims, blocks, rope_rows, cache, slot, mask)
     return x
 
 
@@ -520,12 +561,21 @@ class LeanBackend:
     """The lean decoder's state for one `generate` call: weights, KV cache, key mask.
 
     linear: the op of every float projection (seam 2; low-bit ones run `lowbit_linear`);
-    route: per-layer routing (seam 3).
+    route: per-layer routing (seam 3); None = `dense`, or for a layer-skipper model a
+    `skip_routing.SkipRoute` in `skip_mode` (auto | routed | masked).
     """
 
     def __init__(self, model: nn.Module, dims: Dims, rope: Rope, batch: int, max_len: int,
-                 blocks: Blocks = EAGER, linear: LinearOp = FULL_PRECISION, route: Route = dense):
+                 blocks: Blocks = EAGER, linear: LinearOp = FULL_PRECISION, route: Route | None = None,
+                 skip_mode: str = "auto"):
         self.weights = read_weights(model, dims, linear)
+        if route is None:
+            route = dense
+            state = getattr(model, "skipper_state", None)
+            if state is not None:
+                from inference.skip_routing import SkipRoute
+
+                route = SkipRoute(state.spec, skip_mode, state.force)
         self.dims, self.rope, self.blocks, self.route = dims, rope, blocks, route
         self.cache = KVCache(dims, batch, max_len, self.weights.embed.dtype, self.weights.embed.device)
         self.padded = False
@@ -555,6 +605,8 @@ class LeanBackend:
             diag = torch.eye(P, dtype=torch.bool, device=ids.device)
             # Pad queries see only themselves, so no softmax row is empty (their output is unused).
             mask = (causal & self.key_ok[:, :, :, :P]) | diag  # (B, 1, P, P)
+        if hasattr(self.route, "valid"):  # a skip route counts real prompt tokens only
+            self.route.valid = valid
         logits = forward(self.weights, self.dims, self.blocks, self.rope, ids, positions, self.cache, 0, mask,
                          self.route)
         self.slot = P

@@ -140,9 +140,15 @@ class Router(nn.Module):
         self.eps = eps
 
     def forward(self, h: Tensor) -> Tensor:
-        z = self.enc(h)
-        z = self.norm_weight * F.rms_norm(z.float(), (z.shape[-1],), None, self.eps).to(z.dtype)
-        return self.head(self.dec(torch.tanh(z))).squeeze(-1)
+        return router_logits(h, self.enc.weight, self.norm_weight, self.dec.weight, self.head.weight, self.eps)
+
+
+def router_logits(h: Tensor, enc: Tensor, norm_weight: Tensor, dec: Tensor, head: Tensor, eps: float) -> Tensor:
+    """The router's arithmetic on (..., H) -> (..., ): one function for the module and the runtime,
+    so a served decision is computed exactly as in training."""
+    z = F.linear(h, enc)
+    z = norm_weight * F.rms_norm(z.float(), (z.shape[-1],), None, eps).to(z.dtype)
+    return F.linear(F.linear(torch.tanh(z), dec), head).squeeze(-1)
 
 
 class Adapter(nn.Module):

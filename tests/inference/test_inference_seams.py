@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from inference import Engine, EngineConfig, SamplingParams
 from inference import lean, rollout
 from inference.artifacts import DRAFTER_DEFAULTS, SEED_DRAFTER_FILE, DrafterSpec, read_drafter_spec, write_drafter_spec
-from inference.lean import KVCache, LeanBackend, read_dims, rope_tables
+from inference.lean import KVCache, LeanBackend, dense, read_dims, rope_tables
 from inference.rollout import NO_TOKEN, Emitted, Rollout, StopRule
 from inference.speculative import SpeculativeDecoder
 
@@ -115,20 +115,25 @@ def test_every_projection_goes_through_the_linear_op(qwen3):
 # ----------------------------------------------------------------------------- routing
 
 
-def test_route_is_asked_per_layer_and_dense_changes_nothing(qwen3):
+def test_route_runs_every_layer_and_dense_changes_nothing(qwen3):
     seen = []
 
-    def dense_recording(layer, x):
+    def dense_recording(layer, x, *rest):
         seen.append((layer, tuple(x.shape)))
-        return None
+        return dense(layer, x, *rest)
 
     ids = torch.tensor([[5, 9, 11, 3, 7]])
     got = prefill_and_decode(backend(qwen3, 1, 8, route=dense_recording), ids)
     for a, b in zip(got, prefill_and_decode(backend(qwen3, 1, 8), ids)):
         assert torch.equal(a, b)
     assert seen == [(0, (1, 4, 64)), (1, (1, 4, 64)), (0, (1, 1, 64)), (1, (1, 1, 64))]
-    with pytest.raises(NotImplementedError, match="layer 1"):
-        prefill_and_decode(backend(qwen3, 1, 8, route=lambda layer, x: torch.tensor([0]) if layer else None), ids)
+
+    def zero_layer_one(layer, x, *rest):  # a route decides what a layer computes
+        out = dense(layer, x, *rest)
+        return out * 0 if layer == 1 else out
+
+    logits = prefill_and_decode(backend(qwen3, 1, 8, route=zero_layer_one), ids)
+    assert not torch.equal(logits[0], got[0])
 
 
 # ----------------------------------------------------------------------------- cache contents
@@ -177,7 +182,9 @@ def test_engine_config_round_trip_and_use(qwen3, prompts):
     config = EngineConfig(max_seq_len=12, use_lean=False, compile=False)
     assert EngineConfig.from_dict(config.to_dict()) == config
     assert EngineConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
-    assert EngineConfig().to_dict() == {"max_seq_len": None, "use_lean": None, "compile": False}
+    assert EngineConfig().to_dict() == {"max_seq_len": None, "use_lean": None, "compile": False, "skip_mode": "auto"}
+    with pytest.raises(ValueError, match="skip_mode=.fast. is not one of auto, routed, masked"):
+        EngineConfig(skip_mode="fast")
     with pytest.raises(ValueError, match="max_seq"):
         EngineConfig.from_dict({"max_seq": 3})
     engine = Engine(qwen3, config)

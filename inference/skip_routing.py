@@ -1,0 +1,303 @@
+"""Routed execution of a layer-skipper in the lean decoder (seam 3: per-layer row routing).
+
+A model with a skipper (`models/skipper.py`) has routers at some layers. At such a layer, per
+forward, each row's router says run or skip (g > 0.5), and the rows are served with the trained
+arithmetic (`models.skipper.gate_scales`, the same function training uses):
+
+    run rows:     x' = x + o(attn(q, K, V));  out = x' + s_run * mlp(post_norm(x'))
+    skipped rows: k, v = the layer's own k|v projection of h (written to the cache, so later
+                  tokens attend to them); out = x + s_skip * adapter(h)    -- no q, attention, o or MLP
+
+Three ways to run a routed layer, all with that arithmetic (`mode`):
+    masked   every row runs the whole body and the adapter, then each row keeps its branch (the
+             reference, and the naive "compute everything, then mix" loop of a plain skipper);
+    routed   decode: rows that run are gathered into a dense batch, the others take only the K/V
+             projection and the adapter, results scattered back; one row branches directly.
+    auto     (default) routed at batch 1; above, a cost gate measured once per model shape and
+             batch size (`CostGate`) picks routed or masked for each layer and step from the number
+             of rows that run.
+Prefill and speculative verification (several new tokens per row) always run masked: their tokens
+are routed per token, and the dense body over all of them is one batched pass anyway.
+
+    route = SkipRoute(spec, mode="auto")            # LeanBackend builds it for a skipper model
+    route.stats.skip_ratio()                         # share of skipped routed layer-tokens, decode
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.skipper import SkipperSpec, gate_scales, gate_values, router_logits
+
+MODES = ("auto", "routed", "masked")
+CALIBRATION_REPEATS = 5
+
+
+@dataclass
+class SkipWeights:
+    """A routed layer's skip-side weights for one call (references to the live modules' tensors)."""
+
+    enc: torch.Tensor  # (r, C)
+    norm_weight: torch.Tensor  # (r,)
+    dec: torch.Tensor  # (C, r)
+    head: torch.Tensor  # (1, C)
+    eps: float
+    kv: object  # lean.Projection: the k|v part of the layer's fused q|k|v projection
+    adapter_gate_up: torch.Tensor  # (2 a, C)
+    adapter_down: torch.Tensor  # (C, a)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return router_logits(h, self.enc, self.norm_weight, self.dec, self.head, self.eps)
+
+    def adapter(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(h, self.adapter_gate_up).chunk(2, -1)
+        return F.linear(F.silu(gate) * up, self.adapter_down)
+
+
+def skip_weights(layer: nn.Module, qkv, dims) -> SkipWeights:
+    """Read a routed layer's router, adapter and k|v projection (from the fused q|k|v `qkv`)."""
+    from inference.lean import Projection, _projection
+
+    skipper = layer.skipper
+    router, adapter = skipper.router, skipper.adapter
+    n_q = dims.heads * dims.head_dim
+    if isinstance(qkv.weight, torch.Tensor):  # float: a view of the fused rows, no copy
+        bias = None if qkv.bias is None else qkv.bias[n_q:]
+        kv = Projection(qkv.weight[n_q:], bias, qkv.op)
+    else:  # low-bit or mixed: the k and v modules' own projection
+        attn = layer.self_attn
+        kv = _projection(qkv.op if not isinstance(qkv.weight, list) else F.linear, attn.k_proj, attn.v_proj)
+    return SkipWeights(
+        enc=router.enc.weight.detach(), norm_weight=router.norm_weight.detach(), dec=router.dec.weight.detach(),
+        head=router.head.weight.detach(), eps=router.eps, kv=kv,
+        adapter_gate_up=torch.cat([adapter.gate_proj.weight, adapter.up_proj.weight]).detach(),
+        adapter_down=adapter.down_proj.weight.detach(),
+    )
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+@dataclass
+class SkipStats:
+    """Counts of one generate call (or several, when a route is reused): per routed layer, rows that
+    ran and were skipped in decode steps (one new token per row) and in multi-token forwards
+    (prefill / verification, real tokens only), and how each decode step was executed."""
+
+    decode_run: dict[int, int] = field(default_factory=dict)
+    decode_skip: dict[int, int] = field(default_factory=dict)
+    prefill_run: dict[int, int] = field(default_factory=dict)
+    prefill_skip: dict[int, int] = field(default_factory=dict)
+    executed: dict[str, int] = field(default_factory=lambda: {"branch": 0, "routed": 0, "masked": 0, "uniform": 0})
+
+    def add(self, table: dict[int, int], layer: int, count: int) -> None:
+        table[layer] = table.get(layer, 0) + count
+
+    def skip_ratio(self, decode: bool = True) -> float:
+        """Skipped routed layer-tokens over all routed layer-tokens (decode steps, or multi-token forwards)."""
+        run, skip = (self.decode_run, self.decode_skip) if decode else (self.prefill_run, self.prefill_skip)
+        total = sum(run.values()) + sum(skip.values())
+        return sum(skip.values()) / total if total else 0.0
+
+    def layer_skip_ratio(self, decode: bool = True) -> dict[int, float]:
+        run, skip = (self.decode_run, self.decode_skip) if decode else (self.prefill_run, self.prefill_skip)
+        return {i: skip.get(i, 0) / max(run.get(i, 0) + skip.get(i, 0), 1) for i in sorted(set(run) | set(skip))}
+
+
+# ----------------------------------------------------------------------------- the cost gate
+
+
+def _break_even(t_masked: float, t_none: float, t_all: float, n: int) -> float:
+    """Largest number of running rows at which routed is predicted no slower than masked, from
+    routed timings with no row running (t_none) and every row running (t_all), linear between."""
+    if t_none >= t_masked:
+        return -1.0  # even all-skip routed is slower: never route
+    if t_all <= t_masked:
+        return float(n)  # routed always pays
+    return n * (t_masked - t_none) / (t_all - t_none)
+
+
+class CostGate:
+    """Whether routing pays for a decode step of a routed layer, from timings measured once per
+    model shape and batch size: the masked layer (every row runs everything) against the routed
+    layer with none and with all of the rows running (interpolated linearly in between). A step
+    routes when its number of running rows is at most the break-even count. Timings are taken on
+    scratch inputs with the layer's real weights and cached for the process (`_MEASURED`)."""
+
+    def __init__(self):
+        self.decisions: dict[tuple[int, bool], int] = {}
+
+    def break_even(self, route: "SkipRoute", layer: int, x: torch.Tensor, w, dims, rope_rows, cache, slot: int,
+                   mask) -> float:
+        n = x.shape[0]
+        key = (_shape_key(w, dims, x), n, slot // 64)
+        if key not in _MEASURED:
+            _MEASURED[key] = self._measure(route, layer, x, w, dims, rope_rows, cache, slot, mask)
+        return _MEASURED[key]
+
+    @staticmethod
+    def _measure(route, layer, x, w, dims, rope_rows, cache, slot, mask) -> float:
+        n = x.shape[0]
+        saved = cache.kv[layer, :, : cache.n, :, slot: slot + 1].clone()  # the slot the timing runs overwrite
+        everyone = torch.ones(n, 1, dtype=torch.bool, device=x.device)
+        g = torch.full((n, 1), 0.75, device=x.device)
+
+        def timed(fn) -> float:
+            fn()  # warm-up
+            best = float("inf")
+            for _ in range(CALIBRATION_REPEATS):
+                start = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - start)
+            return best
+
+        h = route._norm(x, w, dims)
+        t_masked = timed(lambda: route._masked(layer, x, h, w, dims, rope_rows, cache, slot, mask, everyone, g, g))
+        t_none = timed(lambda: route._mixed(layer, x, h, w, dims, rope_rows, cache, slot, mask, ~everyone, g, g))
+        t_all = timed(lambda: route._mixed(layer, x, h, w, dims, rope_rows, cache, slot, mask, everyone, g, g,
+                                           force_gather=True))
+        cache.kv[layer, :, : cache.n, :, slot: slot + 1] = saved
+        return _break_even(t_masked, t_none, t_all, n)
+
+
+_MEASURED: dict[tuple, float] = {}
+
+
+def _shape_key(w, dims, x) -> tuple:
+    qkv = w.qkv.weight
+    return (x.shape[-1], dims.heads, dims.kv_heads, dims.head_dim, tuple(getattr(qkv, "shape", ())),
+            w.skip.adapter_down.shape[-1], str(x.dtype), str(x.device))
+
+
+# ----------------------------------------------------------------------------- the route
+
+
+class SkipRoute:
+    """The lean forward's routing for a skipper model: called for every layer, it runs a routed
+    layer per `mode` and the others densely. `force` ("run" / "skip" / None) overrides the routers
+    as `models.skipper.forced` does in training. `valid` (n, T) marks real tokens of the next
+    multi-token forward (for the statistics); the backend sets it before a padded prefill."""
+
+    def __init__(self, spec: SkipperSpec, mode: str = "auto", force: Optional[str] = None):
+        if mode not in MODES:
+            raise ValueError(f"skip mode {mode!r} is not one of {', '.join(MODES)}")
+        self.spec, self.mode, self.force = spec, mode, force
+        self.gate = CostGate()
+        self.stats = SkipStats()
+        self.valid: Optional[torch.Tensor] = None
+
+    def __call__(self, layer: int, x, w, dims, blocks, rope_rows, cache, slot: int, mask):
+        from inference.lean import decoder_layer
+
+        if w.skip is None:
+            return decoder_layer(x, w, dims, blocks, rope_rows, cache, layer, slot, mask)
+        n, T, _ = x.shape
+        h = self._norm(x, w, dims)
+        g = gate_values(w.skip.logits(h), self.force)  # (n, T) fp32
+        run, s_run, s_skip = gate_scales(g, self.spec.gate)
+        if T > 1:
+            self._count_tokens(layer, run)
+            return self._masked(layer, x, h, w, dims, rope_rows, cache, slot, mask, run, s_run, s_skip)
+        running = int(run.sum())
+        self.stats.add(self.stats.decode_run, layer, running)
+        self.stats.add(self.stats.decode_skip, layer, n - running)
+        how = self._choose(layer, x, w, dims, rope_rows, cache, slot, mask, running)
+        self.stats.executed[how] += 1
+        if how == "masked":
+            return self._masked(layer, x, h, w, dims, rope_rows, cache, slot, mask, run, s_run, s_skip)
+        return self._mixed(layer, x, h, w, dims, rope_rows, cache, slot, mask, run, s_run, s_skip)
+
+    def _choose(self, layer, x, w, dims, rope_rows, cache, slot, mask, running: int) -> str:
+        n = x.shape[0]
+        if self.mode == "masked":
+            return "masked"
+        if running in (0, n):
+            return "branch" if n == 1 else "uniform"
+        if self.mode == "routed":
+            return "routed"
+        limit = self.gate.break_even(self, layer, x, w, dims, rope_rows, cache, slot, mask)
+        return "routed" if running <= limit else "masked"
+
+    def _count_tokens(self, layer: int, run: torch.Tensor) -> None:
+        valid = self.valid if self.valid is not None and self.valid.shape == run.shape else None
+        real = run if valid is None else run & valid
+        total = run.numel() if valid is None else int(valid.sum())
+        running = int(real.sum())
+        self.stats.add(self.stats.prefill_run, layer, running)
+        self.stats.add(self.stats.prefill_skip, layer, total - running)
+
+    # --- the pieces ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _norm(x, w, dims):
+        from inference.lean import rms_norm
+
+        return rms_norm(x, w.input_norm, dims.eps)
+
+    @staticmethod
+    def _body(x, h, w, dims, rope_rows, cache, layer, slot, mask, s_run, rows=None):
+        """The full layer on (a subset of) rows from their normed input h, MLP scaled by s_run; the
+        K/V are written for those rows only when `rows` is None (all rows)."""
+        from inference.lean import _attend, mlp_block, project_qkv
+
+        q, k, v = project_qkv(h, w, dims, *rope_rows)
+        if rows is None:
+            cache.write(layer, slot, k, v)
+            keys, values = cache.read(layer, slot + x.shape[1])
+        else:
+            cache.write_rows(layer, slot, rows, k, v)
+            keys, values = cache.read_rows(layer, slot + x.shape[1], rows)
+        attn = _attend(q, keys, values, mask, dims)
+        after = x + w.o(attn)
+        return after + s_run.to(x.dtype)[..., None] * mlp_block(after, w, dims)
+
+    def _masked(self, layer, x, h, w, dims, rope_rows, cache, slot, mask, run, s_run, s_skip):
+        ran = self._body(x, h, w, dims, rope_rows, cache, layer, slot, mask, s_run)
+        skipped = x + s_skip.to(x.dtype)[..., None] * w.skip.adapter(h)
+        return torch.where(run[..., None], ran, skipped)
+
+    def _skip_rows(self, x, h, w, dims, rope_rows, cache, layer, slot, s_skip, rows=None):
+        """Skipped rows: only the K/V (written to the cache) and the adapter."""
+        from inference.lean import apply_rope, rms_norm
+
+        n, T, _ = h.shape
+        D, Hk = dims.head_dim, dims.kv_heads
+        kv = w.skip.kv(h)
+        k = kv[..., : Hk * D].view(n, T, Hk, D)
+        v = kv[..., Hk * D:].view(n, T, Hk, D)
+        if w.qk_norm is not None:
+            k = rms_norm(k, w.qk_norm[dims.heads:], dims.eps)
+        cos, sin = rope_rows
+        k = apply_rope(k, cos, sin)
+        if rows is None:
+            cache.write(layer, slot, k, v)
+        else:
+            cache.write_rows(layer, slot, rows, k, v)
+        return x + s_skip.to(x.dtype)[..., None] * w.skip.adapter(h)
+
+    def _mixed(self, layer, x, h, w, dims, rope_rows, cache, slot, mask, run, s_run, s_skip, force_gather=False):
+        """Decode with per-row decisions: all rows one way (branch), or gathered and scattered."""
+        n = x.shape[0]
+        running = int(run.sum())
+        if running == n and not force_gather:
+            return self._body(x, h, w, dims, rope_rows, cache, layer, slot, mask, s_run)
+        if running == 0:
+            return self._skip_rows(x, h, w, dims, rope_rows, cache, layer, slot, s_skip)
+        flags = run[:, 0]
+        ran = flags.nonzero()[:, 0]
+        out = torch.empty_like(x)
+        pick = lambda t, rows: t.index_select(0, rows)  # noqa: E731
+        rows_rope = tuple(pick(t, ran) for t in rope_rows)
+        out.index_copy_(0, ran, self._body(pick(x, ran), pick(h, ran), w, dims, rows_rope, cache, layer, slot,
+                                           None if mask is None else pick(mask, ran), pick(s_run, ran), rows=ran))
+        if running < n:
+            skipped = (~flags).nonzero()[:, 0]
+            out.index_copy_(0, skipped, self._skip_rows(
+                pick(x, skipped), pick(h, skipped), w, dims, tuple(pick(t, skipped) for t in rope_rows), cache,
+                layer, slot, pick(s_skip, skipped), rows=skipped))
+        return out

@@ -1,0 +1,194 @@
+"""Routed execution of a layer skipper on the lean path, held to its references: the base model
+(routers forced to run), the training forward (models/skipper.py: the HF layers with every branch
+computed and mixed), the masked lean forward, and K/V computed by hand from the HF modules."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+from inference import Engine, EngineConfig, SamplingParams
+from inference.engine import left_pad
+from inference.lean import KEY, VALUE, LeanBackend, read_dims, rope_tables
+from inference.skip_routing import CostGate, SkipRoute, _break_even, _MEASURED
+from models.loading import random_qwen3
+from models.skipper import apply_skipper, forced, make_spec, record_gates
+
+VOCAB = 64
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [3] * 9, [10, 11], [5, 6, 7, 8], [9, 9], [4, 4, 4], [20, 21, 22, 23, 24, 25]]
+
+
+def decisive(model, scale: float = 300.0) -> None:
+    """Make the routers' logits O(1) (fresh ones sit within ~1e-3 of the threshold), so a decision
+    never hangs on the last bit of a float and the paths compared must agree exactly."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer, "skipper"):
+                layer.skipper.router.head.weight.mul_(scale)
+                layer.skipper.adapter.down_proj.weight.normal_(0, 0.05)  # a trained-looking adapter
+
+
+@pytest.fixture(scope="module")
+def models():
+    base = random_qwen3(VOCAB, hidden_size=64, num_layers=4, num_heads=4, intermediate_size=128, kv_heads=2).eval()
+    skip = random_qwen3(VOCAB, hidden_size=64, num_layers=4, num_heads=4, intermediate_size=128, kv_heads=2).eval()
+    apply_skipper(skip, make_spec(skip.config, layers=[1, 2, 3]), seed=3)
+    decisive(skip)
+    return base, skip
+
+
+def greedy(model, prompts, n=12, **config):
+    engine = Engine(model, EngineConfig(**config))
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=n, temperature=0.0))
+    return [list(o.tokens) for o in outs], engine
+
+
+def lean_logits(model, ids, steps=4, mode="auto"):
+    """Prefill + greedy decode steps on the lean backend directly: every step's logits, and the backend."""
+    dims = read_dims(model)
+    backend = LeanBackend(model, dims, rope_tables(model, 32), ids.shape[0], 32, skip_mode=mode)
+    B, P = ids.shape
+    with torch.inference_mode():
+        out = [backend.prefill(ids, torch.arange(P).expand(B, P), torch.ones_like(ids, dtype=torch.bool))]
+        for t in range(steps):
+            out.append(backend.decode(out[-1].argmax(-1), torch.full((B,), P + t)))
+    return out, backend
+
+
+def test_routers_forced_to_run_serve_exactly_the_base_model(models):
+    base, skip = models
+    skip.load_state_dict({**skip.state_dict(), **base.state_dict()})  # same base weights, routers kept
+    ids = torch.tensor([[5, 9, 11, 3, 7, 2]])
+    expected, _ = lean_logits(base, ids)
+    for mode in ("routed", "masked", "auto"):
+        with forced(skip, "run"):
+            got, backend = lean_logits(skip, ids, mode=mode)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)), mode
+        assert backend.route.stats.skip_ratio() == 0.0
+    with forced(skip, "run"):
+        assert greedy(skip, PROMPTS)[0] == greedy(base, PROMPTS)[0]
+
+
+def test_routers_forced_to_skip_serve_the_adapter_only_path(models):
+    _, skip = models
+    ids = torch.tensor([[5, 9, 11, 3, 7, 2], [1, 4, 4, 8, 3, 3]])
+    with forced(skip, "skip"):
+        got, backend = lean_logits(skip, ids, mode="routed")
+        with torch.no_grad():  # the training forward, teacher-forced over the tokens the lean path chose
+            seq = torch.cat([ids] + [g.argmax(-1)[:, None] for g in got[:-1]], 1)
+            ref = skip(seq).logits
+    assert backend.route.stats.skip_ratio() == 1.0
+    assert backend.route.stats.executed["uniform"] == 4 * 3  # decode steps x routed layers, no gather needed
+    for t, logits in enumerate(got):
+        torch.testing.assert_close(logits, ref[:, ids.shape[1] - 1 + t], atol=2e-5, rtol=1e-5)
+
+
+def test_routed_equals_masked_on_mixed_decisions_at_batch_8_with_padding(models):
+    _, skip = models
+    masked, masked_engine = greedy(skip, PROMPTS, skip_mode="masked")
+    routed, routed_engine = greedy(skip, PROMPTS, skip_mode="routed")
+    assert routed == masked
+    stats = routed_engine.route.stats
+    assert stats.executed["routed"] > 0 and stats.executed["masked"] == 0  # rows were gathered and scattered
+    assert 0.2 < stats.skip_ratio() < 0.8 and 0.2 < stats.skip_ratio(decode=False) < 0.8
+    assert masked_engine.route.stats.decode_skip == stats.decode_skip  # the same decisions
+    # per-step logits too (tokens of a random model can survive small errors)
+    padded = left_pad(PROMPTS, torch.device("cpu"))
+    steps = {}
+    for mode in ("masked", "routed"):
+        dims = read_dims(skip)
+        backend = LeanBackend(skip, dims, rope_tables(skip, 32), len(PROMPTS), 32, skip_mode=mode)
+        with torch.inference_mode():
+            out = [backend.prefill(padded.ids, padded.positions, padded.valid)]
+            for t in range(5):
+                out.append(backend.decode(out[-1].argmax(-1), padded.lengths + t))
+        steps[mode] = out
+    for a, b in zip(steps["routed"], steps["masked"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    auto, _ = greedy(skip, PROMPTS, skip_mode="auto")
+    assert auto == masked
+    # the HF forward (the training arithmetic, cache written by the HF attention) serves the same tokens
+    assert greedy(skip, PROMPTS, use_lean=False)[0] == masked
+
+
+def test_batch_1_branches_and_matches_masked(models):
+    _, skip = models
+    for prompt in PROMPTS[:4]:
+        routed, engine = greedy(skip, [prompt], skip_mode="routed")
+        assert routed == greedy(skip, [prompt], skip_mode="masked")[0]
+        executed = engine.route.stats.executed
+        assert executed["branch"] == 11 * 3 and executed["routed"] == 0
+
+
+def test_decode_statistics_equal_the_training_forward_decisions(models):
+    """The engine's per-layer skip counts over decode steps equal the decisions the training forward
+    makes on the same tokens (teacher-forced): serving routes exactly as training does."""
+    _, skip = models
+    prompt = [5, 9, 11, 3, 7, 2]
+    [tokens], engine = greedy(skip, [prompt], n=10, skip_mode="routed")
+    with torch.no_grad(), record_gates(skip) as rec:
+        skip(torch.tensor([prompt + tokens]))
+    fed = slice(len(prompt), len(prompt) + len(tokens) - 1)  # decode steps feed every completion token but the last
+    for layer, g in rec.gates.items():
+        assert engine.route.stats.decode_skip[layer] == int((g[0, fed] <= 0.5).sum())
+        assert engine.route.stats.decode_run[layer] == int((g[0, fed] > 0.5).sum())
+
+
+def test_a_skipped_token_writes_its_own_layers_kv(models):
+    """In routed decode, a skipped row's cache slot holds that layer's k/v projection of its normed
+    input (k-norm and RoPE for the key), computed here by hand with the HF modules."""
+    _, skip = models
+    ids = torch.tensor([[5, 9, 11, 3, 7, 2], [1, 4, 4, 8, 3, 3]])
+    got, backend = lean_logits(skip, ids, steps=3, mode="routed")
+    seq = torch.cat([ids] + [g.argmax(-1)[:, None] for g in got[:-1]], 1)  # (2, P + 3)
+    inputs = {}
+    hooks = [layer.register_forward_pre_hook(lambda m, a, k, i=i: inputs.__setitem__(i, k.get("hidden_states", a[0] if a else None)), with_kwargs=True)
+             for i, layer in enumerate(skip.model.layers)]
+    try:
+        with torch.no_grad(), record_gates(skip) as rec:
+            skip(seq)
+    finally:
+        for h in hooks:
+            h.remove()
+    checked = 0
+    P = ids.shape[1]
+    for layer in (1, 2, 3):
+        mod = skip.model.layers[layer]
+        attn = mod.self_attn
+        with torch.no_grad():
+            h = mod.input_layernorm(inputs[layer])  # (2, T, C)
+            B, T, _ = h.shape
+            k = attn.k_norm(attn.k_proj(h).view(B, T, -1, attn.head_dim)).transpose(1, 2)
+            v = attn.v_proj(h).view(B, T, -1, attn.head_dim).transpose(1, 2)
+            cos, sin = skip.model.rotary_emb(h, torch.arange(T)[None].expand(B, T))
+            _, k = apply_rotary_pos_emb(k, k, cos, sin)
+        for row in range(2):
+            for slot in range(P, P + 3):  # decode slots
+                if rec.gates[layer][row, slot] <= 0.5:  # skipped at this layer
+                    torch.testing.assert_close(backend.cache.kv[layer, KEY, row, :, slot], k[row, :, slot], atol=1e-5, rtol=1e-5)
+                    torch.testing.assert_close(backend.cache.kv[layer, VALUE, row, :, slot], v[row, :, slot], atol=1e-5, rtol=1e-5)
+                    checked += 1
+    assert checked >= 3
+
+
+def test_cost_gate_break_even_by_hand_and_measured_once_per_shape(models):
+    # masked 10; routed 4 with no row running, 16 with all 8 running: linear -> 8 * (10 - 4) / (16 - 4) = 4
+    assert _break_even(10.0, 4.0, 16.0, 8) == 4.0
+    assert _break_even(10.0, 11.0, 16.0, 8) == -1.0  # routing never pays
+    assert _break_even(10.0, 4.0, 9.0, 8) == 8.0  # always pays
+    _, skip = models
+    _MEASURED.clear()
+    _, engine = greedy(skip, PROMPTS, skip_mode="auto")
+    measured = dict(_MEASURED)
+    assert measured and all(-1.0 <= v <= key[1] for key, v in measured.items())
+    greedy(skip, PROMPTS, skip_mode="auto")
+    assert _MEASURED == measured  # a second call measures nothing new
+    executed = engine.route.stats.executed
+    assert executed["routed"] + executed["masked"] > 0
+
+
+def test_route_rejects_an_unknown_mode(models):
+    _, skip = models
+    with pytest.raises(ValueError, match="skip mode 'fast' is not one of auto, routed, masked"):
+        SkipRoute(skip.skipper_state.spec, "fast")
+    assert isinstance(SkipRoute(skip.skipper_state.spec).gate, CostGate)
