@@ -1,7 +1,10 @@
 """Held-out accuracy of a model: `python evaluate.py model.path=DIR data=NAME [trainer.eval_examples=N]`.
 
 Prints one JSON line with `accuracy`, `step_accuracy` and `n`. A quantized export (compressed-tensors,
-e.g. a `+algo=qad` run's final/) is evaluated as served: on the runtime's low-bit path.
+e.g. a `+algo=qad` run's final/) is evaluated as served: on the runtime's low-bit path. An export
+with a layer skipper (`final/skipper/`, from `+algo=skipper`) is evaluated with its routers on, as
+the runtime serves it; the JSON line then also carries `skip_ratio` (skipped routed layer-tokens of
+the greedy decode steps).
 """
 from __future__ import annotations
 
@@ -31,7 +34,10 @@ def main(argv: list[str]) -> int:
     model, tokenizer = _load(cfg.model, world, load_model)
     task = build_task_from(cfg.data)
     examples = list(task.test_examples())[: cfg.trainer.eval_examples]
+    stats = _skip_stats(model)
     result = evaluate(model.eval(), tokenizer, task, examples, world, cfg.trainer.eval_max_new_tokens)
+    if stats is not None:
+        result["skip_ratio"] = stats.skip_ratio()
     print(json.dumps(result))
     return 0
 
@@ -45,7 +51,25 @@ def _load(m, world, load_model):
         from inference.quantized import load_quantized
 
         return load_quantized(os.path.expanduser(m.path), world.device)
-    return load_model(m, world)
+    model, tokenizer = load_model(m, world)
+    if m.path is not None:
+        from models.skipper import find_skipper, load_skipper
+
+        skipper = find_skipper(os.path.expanduser(m.path))
+        if skipper is not None:
+            load_skipper(model, skipper)
+    return model, tokenizer
+
+
+def _skip_stats(model):
+    """For a skipper model: one SkipStats that every engine of this process adds its counts to."""
+    if getattr(model, "skipper_state", None) is None:
+        return None
+    from inference import skip_routing
+
+    stats = skip_routing.SkipStats()
+    skip_routing.SHARED_STATS = stats
+    return stats
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 Loads a causal LM and its tokenizer through `models.loading` from DIR (e.g. a run's `final/`;
 a PEFT adapter dir whose adapter_config.json names its base also works, merged into the base;
 a compressed-tensors quantized export, e.g. from `+algo=qad`, runs on the low-bit path:
-integer weights and per-token integer activations through integer matmuls, `inference/quantized.py`),
-completes the prompt with the Engine, stopping at the tokenizer's eos token, and prints the
+integer weights and per-token integer activations through integer matmuls, `inference/quantized.py`;
+an export with a layer skipper in `DIR/skipper/`, e.g. from `+algo=skipper`, runs with its routers:
+routed execution, `inference/skip_routing.py`), completes the prompt with the Engine, stopping at the tokenizer's eos token, and prints the
 completion. `--adapter ADAPTER_DIR` serves an exported LoRA adapter on top of DIR as its base.
 Models load in the dtype they were saved in (what `from_pretrained` does by default).
 
@@ -13,13 +14,16 @@ Models load in the dtype they were saved in (what `from_pretrained` does by defa
     python -m inference runs/lora/final --prompt "12+7="                  # the same, base from the adapter
     python -m inference runs/qad/final --prompt "12+7="                   # quantized export: low-bit path
     python -m inference runs/x/final --prompt "12+7=" --temperature 0.8 --top-p 0.95 --seed 1
+    python -m inference runs/skip/final --prompt "12+7="                  # base + skipper/: routed layers
+    python -m inference BASE --skipper runs/skip/final/skipper --prompt "12+7="   # a skipper dir on a base
     python -m inference runs/x/final --prompt "12+7=" --speculative seed        # SEED self-drafting
     python -m inference runs/x/final --prompt "12+7=" --speculative external --drafter runs/small/final
 
 With --speculative the completion is followed by a stderr line with the acceptance length (mean
 tokens per verify forward) and tokens/s. `--speculative seed` reads seed_drafter.json from the
 --adapter dir or else DIR when present (else the defaults); `--drafter DIR2` (loaded the same way
-as DIR) alone implies `--speculative external`.
+as DIR) alone implies `--speculative external`. With a skipper, a stderr line gives the share of
+skipped routed layer-tokens; `--skip-mode` picks routed, masked or auto (the measured cost gate).
 """
 from __future__ import annotations
 
@@ -54,6 +58,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="always draft --draft-len tokens (no confidence-based early stop)")
     parser.add_argument("--adapter", metavar="DIR",
                         help="PEFT (LoRA) adapter dir to apply to the model in model_dir and merge")
+    parser.add_argument("--skipper", metavar="DIR",
+                        help="layer-skipper dir (skipper.json + skipper.safetensors) to serve on top of model_dir")
+    parser.add_argument("--no-skipper", action="store_true", help="ignore model_dir/skipper/: serve the base alone")
+    parser.add_argument("--skip-mode", choices=("auto", "routed", "masked"), default="auto",
+                        help="how routed layers run: auto (measured cost gate), routed (gather/scatter), masked")
     return parser.parse_args(argv)
 
 
@@ -75,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     from inference.sampling import SamplingParams
 
     model, tokenizer = load_model(args.model_dir, args.adapter, args.device)
+    try:
+        skipper = attach_skipper(model, args)
+    except ValueError as err:  # SkipperError: a skipper for another model, or a broken dir
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
     eos = tokenizer.eos_token_id
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -83,7 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     prompt_ids = tokenizer.encode(args.prompt)
     if args.speculative is None:
-        completion = Engine(model).generate([prompt_ids], params, generator)[0]
+        from inference.engine import EngineConfig
+
+        engine = Engine(model, EngineConfig(skip_mode=args.skip_mode))
+        completion = engine.generate([prompt_ids], params, generator)[0]
+        if skipper is not None and getattr(engine.route, "stats", None) is not None:
+            print(f"[skipper {skipper}] skipped {engine.route.stats.skip_ratio():.1%} of routed layer-tokens "
+                  f"in decode ({args.skip_mode})", file=sys.stderr)
     else:
         completion = _speculative(args, model, prompt_ids, params, generator)
     print(tokenizer.decode(completion.tokens, skip_special_tokens=True))
@@ -109,6 +129,18 @@ def load_model(model_dir: str, adapter: str | None, device: str):
 
         model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     return model.to(device).eval(), tokenizer
+
+
+def attach_skipper(model, args) -> str | None:
+    """Apply `--skipper DIR`, or else `model_dir/skipper/` when the export has one (unless
+    --no-skipper); returns the dir applied, or None."""
+    from models.skipper import find_skipper, load_skipper
+
+    path = args.skipper or (None if args.no_skipper else find_skipper(args.model_dir))
+    if path is None:
+        return None
+    load_skipper(model, path)
+    return path
 
 
 def saved_dtype(path: str) -> str:

@@ -166,6 +166,9 @@ class CostGate:
 
 
 _MEASURED: dict[tuple, float] = {}
+# When set, every new SkipRoute counts into this one SkipStats (a caller that runs many engine calls,
+# e.g. evaluate.py, reads the total there); None: each route has its own.
+SHARED_STATS: Optional["SkipStats"] = None
 
 
 def _shape_key(w, dims, x) -> tuple:
@@ -188,7 +191,7 @@ class SkipRoute:
             raise ValueError(f"skip mode {mode!r} is not one of {', '.join(MODES)}")
         self.spec, self.mode, self.force = spec, mode, force
         self.gate = CostGate()
-        self.stats = SkipStats()
+        self.stats = SHARED_STATS if SHARED_STATS is not None else SkipStats()
         self.valid: Optional[torch.Tensor] = None
 
     def __call__(self, layer: int, x, w, dims, blocks, rope_rows, cache, slot: int, mask):

@@ -192,3 +192,66 @@ def test_route_rejects_an_unknown_mode(models):
     with pytest.raises(ValueError, match="skip mode 'fast' is not one of auto, routed, masked"):
         SkipRoute(skip.skipper_state.spec, "fast")
     assert isinstance(SkipRoute(skip.skipper_state.spec).gate, CostGate)
+
+
+# ----------------------------------------------------------------------------- export dirs and the CLI
+
+
+def _export(tmp_path, layers: int, hidden: int = 64):
+    """A saved base (char tokenizer) with a trained-looking skipper in base/skipper/."""
+    from models.skipper import base_state_dict, save_skipper
+    from models.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    model = random_qwen3(len(tok), hidden_size=hidden, num_layers=layers, num_heads=4, intermediate_size=128).eval()
+    apply_skipper(model, make_spec(model.config), seed=1)
+    decisive(model)
+    out = tmp_path / f"export-l{layers}-h{hidden}"
+    model.save_pretrained(out, state_dict=base_state_dict(model))
+    tok.save_pretrained(out)
+    save_skipper(model, str(out / "skipper"))
+    return model, tok, out
+
+
+def test_cli_serves_an_export_with_its_skipper_and_rejects_a_mismatched_one(tmp_path, capsys):
+    from inference.__main__ import main
+
+    model, tok, out = _export(tmp_path, layers=4)
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=(tok.eos_token_id,))
+    [expected] = Engine(model).generate([tok.encode("12+7=")], params)
+    assert main([str(out), "--prompt", "12+7=", "--max-new-tokens", "10", "--skip-mode", "routed"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.rstrip("\n").splitlines()[-1] == tok.decode(expected.tokens, skip_special_tokens=True)
+    assert "skipped" in captured.err and "routed layer-tokens" in captured.err
+    # --no-skipper serves the base alone, which differs from the skipper's output here
+    with forced(model, "run"):
+        [base] = Engine(model).generate([tok.encode("12+7=")], params)
+    assert main([str(out), "--prompt", "12+7=", "--max-new-tokens", "10", "--no-skipper"]) == 0
+    assert capsys.readouterr().out.rstrip("\n").splitlines()[-1] == tok.decode(base.tokens, skip_special_tokens=True)
+    # a skipper trained for another depth / width: one line, non-zero exit
+    _, _, deeper = _export(tmp_path, layers=6)
+    _, _, wider = _export(tmp_path, layers=4, hidden=32)
+    assert main([str(out), "--prompt", "1+1=", "--skipper", str(deeper / "skipper")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    err = err.strip().splitlines()[-1]
+    assert err.startswith("error: ") and "num_layers=6" in err and "has 4" in err
+    assert main([str(out), "--prompt", "1+1=", "--skipper", str(wider / "skipper")]) == 2
+    assert "hidden_size=32" in capsys.readouterr().err
+    assert main([str(out), "--prompt", "1+1=", "--skipper", str(tmp_path)]) == 2
+    assert "not a skipper dir" in capsys.readouterr().err
+
+
+def test_evaluate_reports_the_skip_ratio_of_an_export(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _, _, out = _export(tmp_path, layers=4)
+    result = subprocess.run([sys.executable, "evaluate.py", f"model.path={out}", "model=hf", "trainer.eval_examples=8",
+                             "trainer.eval_max_new_tokens=16"], cwd=Path(__file__).resolve().parents[2],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = json.loads(result.stdout.strip().splitlines()[-1])
+    assert line["n"] == 8 and 0.0 < line["skip_ratio"] < 1.0
