@@ -201,7 +201,7 @@ class SkipRoute:
             return decoder_layer(x, w, dims, blocks, rope_rows, cache, layer, slot, mask)
         n, T, _ = x.shape
         h = self._norm(x, w, dims)
-        g = gate_values(w.skip.logits(h), self.force)  # (n, T) fp32
+        g = self.gates(layer, w, h)  # (n, T) fp32
         run, s_run, s_skip = gate_scales(g, self.spec.gate)
         if T > 1:
             self._count_tokens(layer, run)
@@ -214,6 +214,11 @@ class SkipRoute:
         if how == "masked":
             return self._masked(layer, x, h, w, dims, rope_rows, cache, slot, mask, run, s_run, s_skip)
         return self._mixed(layer, x, h, w, dims, rope_rows, cache, slot, mask, run, s_run, s_skip)
+
+    def gates(self, layer: int, w, h: torch.Tensor) -> torch.Tensor:
+        """g (n, T) fp32 of a routed layer from its normed input h (a benchmark's synthetic policy
+        overrides this)."""
+        return gate_values(w.skip.logits(h), self.force)
 
     def _choose(self, layer, x, w, dims, rope_rows, cache, slot, mask, running: int) -> str:
         n = x.shape[0]
