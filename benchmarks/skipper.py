@@ -189,7 +189,8 @@ def base_dir(args) -> str:
 def train(args, target: float) -> str:
     """final/ of a `+algo=skipper` run at `target` (cached by its settings in --workdir)."""
     extra = [f"algo.target_skip={target}", *args.extra]
-    name = f"skip-t{target}-s{args.steps}" + ("-" + "-".join(args.extra).replace("/", "_") if args.extra else "")
+    name = f"skip-t{target}-s{args.steps}" + ("-" + "-".join(args.extra) if args.extra else "")
+    name = "".join(c if c.isalnum() or c in "-." else "_" for c in name)  # a path Hydra accepts as a value
     out = os.path.join(args.workdir, name)
     final = os.path.join(out, "final")
     if not os.path.exists(os.path.join(final, "skipper", "skipper.json")):

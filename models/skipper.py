@@ -226,7 +226,7 @@ class SkipperState:
     """The skipper of one model (stored as `lm.skipper_state`): its spec, the link that routes the
     layers' forward, the force mode, and the active gate recorder."""
 
-    def __init__(self, spec: SkipperSpec, link: LayerWrap):
+    def __init__(self, spec: SkipperSpec, link: Optional[LayerWrap]):
         self.spec, self.link = spec, link
         self.force: Optional[str] = None
         self.record: Optional[GateRecord] = None
@@ -262,19 +262,23 @@ def apply_skipper(model: nn.Module, spec: SkipperSpec, seed: int = 0) -> Skipper
         skipper = LayerSkipper(spec)
         skipper.reset_parameters(generator)
         layers[i].skipper = skipper.to(device=param.device, dtype=param.dtype)
-    routed = set(spec.layers)
-    state_box: dict[str, SkipperState] = {}
-
-    def wrapper(index: int, inner, *args, **kwargs):
-        if index not in routed:
-            return inner(*args, **kwargs)
-        return _routed_forward(layers[index], index, state_box["state"], *args, **kwargs)
-
-    link = wrap_layers(lm, LINK, wrapper)
-    state = SkipperState(spec, link)
-    state_box["state"] = state
+    state = SkipperState(spec, None)
+    state.link = wrap_layers(lm, LINK, _RoutedForward(list(layers), state))
     lm.skipper_state = state
     return state
+
+
+class _RoutedForward:
+    """The layer_wrap link of a skipper model. An object (not a closure) so that a deep copy of the
+    model (FSDP's full-model copy, a benchmark's) routes through the copy's own layers and state."""
+
+    def __init__(self, layers: list[nn.Module], state: SkipperState):
+        self.layers, self.state = layers, state
+
+    def __call__(self, index: int, inner, *args, **kwargs):
+        if index not in self.state.spec.layers:
+            return inner(*args, **kwargs)
+        return _routed_forward(self.layers[index], index, self.state, *args, **kwargs)
 
 
 def remove_skipper(model: nn.Module) -> None:
