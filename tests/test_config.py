@@ -23,6 +23,10 @@ BAD_INPUTS = [
     (["+algo=sft", "backend=nope"], "backend/nope"),
     (["+algo=sft", "data.on_bad_row=maybe"], "data.on_bad_row=maybe"),
     (["+algo=seed", "backend=fsdp"], "backend=fsdp: algo seed does not run under FSDP2"),
+    (["+algo=skipper", "algo.target_skip=1.0"], "algo.target_skip=1.0 must be in [0, 1)"),
+    (["+algo=skipper", "algo.target_skip=-0.1"], "algo.target_skip=-0.1 must be in [0, 1)"),
+    (["+algo=skipper", "algo.gate=nope"], "algo.gate=nope is not one of soft, hard"),
+    (["+algo=skipper", "backend=fsdp"], "backend=fsdp: algo skipper does not run under FSDP2"),
 ]
 
 
