@@ -8,6 +8,7 @@ from algorithms.opsd import OPSD, OPSDConfig
 from algorithms.qad import QAD, QADConfig
 from algorithms.seed import SEED, SEEDConfig
 from algorithms.sft import SFT, SFTConfig
+from algorithms.skipper import Skipper, SkipperConfig
 from algorithms.tesd import TESD, TESDConfig
 
 # name -> (config dataclass, algorithm class)
@@ -19,6 +20,7 @@ REGISTRY: dict[str, tuple[type, type]] = {
     "grpo": (GRPOConfig, GRPO),
     "seed": (SEEDConfig, SEED),
     "qad": (QADConfig, QAD),
+    "skipper": (SkipperConfig, Skipper),
 }
 
 

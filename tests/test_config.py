@@ -13,7 +13,7 @@ from tests.conftest import ROOT, tiny_config
 
 BAD_INPUTS = [
     (["+algo=sft", "trainer.max_stepz=3"], "max_stepz"),
-    (["+algo=nope"], "unknown algorithm 'nope' (available: grpo, mass, opsd, qad, seed, sft, tesd)"),
+    (["+algo=nope"], "unknown algorithm 'nope' (available: grpo, mass, opsd, qad, seed, sft, skipper, tesd)"),
     (["trainer.max_steps=3"], "no algorithm selected"),
     (["+algo=sft", "trainer.max_steps=abc"], "trainer.max_steps=abc"),
     (["+algo=sft", "trainer.lr=-1"], "trainer.lr"),
@@ -23,6 +23,10 @@ BAD_INPUTS = [
     (["+algo=sft", "backend=nope"], "backend/nope"),
     (["+algo=sft", "data.on_bad_row=maybe"], "data.on_bad_row=maybe"),
     (["+algo=seed", "backend=fsdp"], "backend=fsdp: algo seed does not run under FSDP2"),
+    (["+algo=skipper", "algo.target_skip=1.0"], "algo.target_skip=1.0 must be in [0, 1)"),
+    (["+algo=skipper", "algo.target_skip=-0.1"], "algo.target_skip=-0.1 must be in [0, 1)"),
+    (["+algo=skipper", "algo.gate=nope"], "algo.gate=nope is not one of soft, hard"),
+    (["+algo=skipper", "backend=fsdp"], "backend=fsdp: algo skipper does not run under FSDP2"),
 ]
 
 
