@@ -67,10 +67,7 @@ COMPLETIONS = ("solutions", "base")
 
 @dataclass
 class SkipperConfig:
-    # FSDP2 (and DeepSpeed ZeRO-3) decode, evaluate and export from a deep copy of the model; a copy
-    # of a skipper model still routes through the original's layers and state, so those backends
-    # cannot run it (make_batch refuses such a replica; see `Skipper.check_policy`).
-    traits: ClassVar[Traits] = Traits(fsdp=False)
+    traits: ClassVar[Traits] = Traits()
     name: str = "skipper"
     layers: list[int] = field(default_factory=list)  # routed decoder layers; [] = the upper half
     gate: str = "soft"  # soft (s_run = g, s_skip = 1 - g) | hard (straight-through 0/1 decision)
@@ -159,12 +156,8 @@ class Skipper:
         return model
 
     def check_policy(self, policy: nn.Module) -> None:
-        """Refuse a full-weight replica (a deep copy: FSDP2, DeepSpeed ZeRO-3): its routed layers
-        would still run the original model's modules and obey the original's routers."""
-        if self.model is not None and causal_lm(policy) is not self.model:
-            raise RuntimeError("skipper: the backend hands rollouts a copy of the model, whose routed layers still "
-                               "run the original's modules; use backend=single|ddp or deepspeed with "
-                               "backend.zero_stage=1|2")
+        """The model rollouts, eval and export see must carry the skipper (a full-weight copy made
+        by FSDP2 / ZeRO-3 does: the routing link is copied with the layers it routes)."""
         if skipper_state(policy) is None:
             raise RuntimeError("skipper: the model has no skipper (prepare_model applies it)")
 

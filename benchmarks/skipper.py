@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import torch  # noqa: E402
 
 from inference.lean import LeanBackend, read_dims, rope_tables  # noqa: E402
-from inference.skip_routing import SkipRoute  # noqa: E402
+from inference.skip_routing import SkipRoute, route_for  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- widening
@@ -145,7 +145,7 @@ def decode_time(model, prompts, new_tokens: int, route=None, mode: str = "auto")
     dims = read_dims(model)
     with torch.inference_mode():
         backend = LeanBackend(model, dims, rope_tables(model, P + new_tokens + 1), B, P + new_tokens + 1,
-                              route=route, skip_mode=mode)
+                              route=route if route is not None else route_for(model, mode))
         start = time.perf_counter()
         logits = backend.prefill(batch.ids, batch.positions, batch.valid)
         positions = batch.lengths.clone()

@@ -53,6 +53,7 @@ from inference.lean import (
     EAGER, LeanBackend, Rope, compiled_blocks, lean_unsupported_reason, read_dims, rope_tables,
 )
 from inference.rollout import Completion, Emitted, Rollout
+from inference.skip_routing import MODES as SKIP_MODES, route_for
 from inference.sampling import SamplingParams, sample_next
 
 __all__ = ["Completion", "Engine", "EngineConfig", "SamplingParams"]
@@ -81,10 +82,8 @@ class EngineConfig:
     skip_mode: str = "auto"
 
     def __post_init__(self) -> None:
-        from inference.skip_routing import MODES
-
-        if self.skip_mode not in MODES:
-            raise ValueError(f"EngineConfig.skip_mode={self.skip_mode!r} is not one of {', '.join(MODES)}")
+        if self.skip_mode not in SKIP_MODES:
+            raise ValueError(f"EngineConfig.skip_mode={self.skip_mode!r} is not one of {', '.join(SKIP_MODES)}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -287,7 +286,8 @@ class Engine:
         dims = read_dims(self.model)
         self._rope = rope_tables(self.model, max_len, self._rope)
         blocks = compiled_blocks() if self.compile else EAGER
-        backend = LeanBackend(self.model, dims, self._rope, batch, max_len, blocks, skip_mode=self.config.skip_mode)
+        backend = LeanBackend(self.model, dims, self._rope, batch, max_len, blocks,
+                              route=route_for(self.model, self.config.skip_mode))
         self.route = backend.route  # a skip route's statistics stay readable after the call
         return backend
 

@@ -264,28 +264,21 @@ def _lowbit_weights(module: nn.Module) -> LowBitWeights:
     return LowBitWeights(q, scale, s, packed)
 
 
-def _layer_weights(layer: nn.Module, dims: Dims, linear: LinearOp, routed: bool = False) -> LayerWeights:
+def _layer_weights(layer: nn.Module, dims: Dims, linear: LinearOp) -> LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
     qk_norm = None
     if dims.qk_norm:
         q_rows = attn.q_norm.weight.detach().expand(dims.heads, dims.head_dim)
         k_rows = attn.k_norm.weight.detach().expand(dims.kv_heads, dims.head_dim)
         qk_norm = torch.cat([q_rows, k_rows])  # (H + H_kv, D)
-    qkv = _projection(linear, attn.q_proj, attn.k_proj, attn.v_proj)
-    skip = None
-    if routed:  # a layer-skipper's routed layer: its router, adapter and k|v projection
-        from inference.skip_routing import skip_weights
-
-        skip = skip_weights(layer, qkv, dims)
     return LayerWeights(
         input_norm=layer.input_layernorm.weight.detach(),
-        qkv=qkv,
+        qkv=_projection(linear, attn.q_proj, attn.k_proj, attn.v_proj),
         qk_norm=qk_norm,
         o=_projection(linear, attn.o_proj),
         post_norm=layer.post_attention_layernorm.weight.detach(),
         gate_up=_projection(linear, mlp.gate_proj, mlp.up_proj),
         down=_projection(linear, mlp.down_proj),
-        skip=skip,
     )
 
 
@@ -296,11 +289,10 @@ def _detach(tensor: torch.Tensor | None) -> torch.Tensor | None:
 def read_weights(model: nn.Module, dims: Dims, linear: LinearOp = FULL_PRECISION) -> Weights:
     """Reference the live weights (fusing q|k|v and gate|up for this call only); every float
     projection, lm_head included, applies them with `linear`; LowBitLinear ones with `lowbit_linear`.
-    A layer-skipper's routed layers also carry their skip weights (`LayerWeights.skip`)."""
-    routed = set(_skipper_layers(model))
+    (A skip route fills `LayerWeights.skip` of a layer-skipper's routed layers: `SkipRoute.attach`.)"""
     return Weights(
         embed=model.model.embed_tokens.weight.detach(),
-        layers=[_layer_weights(layer, dims, linear, i in routed) for i, layer in enumerate(model.model.layers)],
+        layers=[_layer_weights(layer, dims, linear) for layer in model.model.layers],
         final_norm=model.model.norm.weight.detach(),
         lm_head=_projection(linear, model.lm_head),
     )
@@ -561,21 +553,22 @@ class LeanBackend:
     """The lean decoder's state for one `generate` call: weights, KV cache, key mask.
 
     linear: the op of every float projection (seam 2; low-bit ones run `lowbit_linear`);
-    route: per-layer routing (seam 3); None = `dense`, or for a layer-skipper model a
-    `skip_routing.SkipRoute` in `skip_mode` (auto | routed | masked).
+    route: per-layer routing (seam 3); None = `dense`. A layer-skipper model needs a skip route
+    (`skip_routing.route_for(model, mode)`); a route with an `attach(model, weights, dims)` method
+    is handed the weights read here (a skip route adds each routed layer's skip weights).
     """
 
     def __init__(self, model: nn.Module, dims: Dims, rope: Rope, batch: int, max_len: int,
-                 blocks: Blocks = EAGER, linear: LinearOp = FULL_PRECISION, route: Route | None = None,
-                 skip_mode: str = "auto"):
+                 blocks: Blocks = EAGER, linear: LinearOp = FULL_PRECISION, route: Route | None = None):
         self.weights = read_weights(model, dims, linear)
         if route is None:
+            if _skipper_layers(model):
+                raise ValueError("the model has a layer skipper: pass route=inference.skip_routing.route_for(model) "
+                                 "(dense execution would silently serve the base)")
             route = dense
-            state = getattr(model, "skipper_state", None)
-            if state is not None:
-                from inference.skip_routing import SkipRoute
-
-                route = SkipRoute(state.spec, skip_mode, state.force)
+        attach = getattr(route, "attach", None)
+        if attach is not None:
+            attach(model, self.weights, dims)
         self.dims, self.rope, self.blocks, self.route = dims, rope, blocks, route
         self.cache = KVCache(dims, batch, max_len, self.weights.embed.dtype, self.weights.embed.device)
         self.padded = False

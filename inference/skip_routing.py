@@ -19,7 +19,8 @@ Three ways to run a routed layer, all with that arithmetic (`mode`):
 Prefill and speculative verification (several new tokens per row) always run masked: their tokens
 are routed per token, and the dense body over all of them is one batched pass anyway.
 
-    route = SkipRoute(spec, mode="auto")            # LeanBackend builds it for a skipper model
+    route = route_for(model, mode="auto")            # None for a model without a skipper
+    backend = LeanBackend(model, dims, rope, batch, max_len, route=route)   # the engine does this
     route.stats.skip_ratio()                         # share of skipped routed layer-tokens, decode
 """
 from __future__ import annotations
@@ -32,6 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference.lean import (
+    Projection, _attend, _projection, apply_rope, decoder_layer, mlp_block, project_qkv, rms_norm,
+)
 from models.skipper import SkipperSpec, gate_scales, gate_values, router_logits
 
 MODES = ("auto", "routed", "masked")
@@ -59,9 +63,14 @@ class SkipWeights:
         return F.linear(F.silu(gate) * up, self.adapter_down)
 
 
+def route_for(model: nn.Module, mode: str = "auto") -> Optional["SkipRoute"]:
+    """The skip route of a layer-skipper model (its spec and current force), None without one."""
+    state = getattr(model, "skipper_state", None)
+    return None if state is None else SkipRoute(state.spec, mode, state.force)
+
+
 def skip_weights(layer: nn.Module, qkv, dims) -> SkipWeights:
     """Read a routed layer's router, adapter and k|v projection (from the fused q|k|v `qkv`)."""
-    from inference.lean import Projection, _projection
 
     skipper = layer.skipper
     router, adapter = skipper.router, skipper.adapter
@@ -194,9 +203,13 @@ class SkipRoute:
         self.stats = SHARED_STATS if SHARED_STATS is not None else SkipStats()
         self.valid: Optional[torch.Tensor] = None
 
-    def __call__(self, layer: int, x, w, dims, blocks, rope_rows, cache, slot: int, mask):
-        from inference.lean import decoder_layer
+    def attach(self, model: nn.Module, weights, dims) -> None:
+        """Give each routed layer of the weights just read (`lean.read_weights`) its skip weights."""
+        for i in self.spec.layers:
+            layer = weights.layers[i]
+            layer.skip = skip_weights(model.model.layers[i], layer.qkv, dims)
 
+    def __call__(self, layer: int, x, w, dims, blocks, rope_rows, cache, slot: int, mask):
         if w.skip is None:
             return decoder_layer(x, w, dims, blocks, rope_rows, cache, layer, slot, mask)
         n, T, _ = x.shape
@@ -243,16 +256,12 @@ class SkipRoute:
 
     @staticmethod
     def _norm(x, w, dims):
-        from inference.lean import rms_norm
-
         return rms_norm(x, w.input_norm, dims.eps)
 
     @staticmethod
     def _body(x, h, w, dims, rope_rows, cache, layer, slot, mask, s_run, rows=None):
         """The full layer on (a subset of) rows from their normed input h, MLP scaled by s_run; the
         K/V are written for those rows only when `rows` is None (all rows)."""
-        from inference.lean import _attend, mlp_block, project_qkv
-
         q, k, v = project_qkv(h, w, dims, *rope_rows)
         if rows is None:
             cache.write(layer, slot, k, v)
@@ -271,8 +280,6 @@ class SkipRoute:
 
     def _skip_rows(self, x, h, w, dims, rope_rows, cache, layer, slot, s_skip, rows=None):
         """Skipped rows: only the K/V (written to the cache) and the adapter."""
-        from inference.lean import apply_rope, rms_norm
-
         n, T, _ = h.shape
         D, Hk = dims.head_dim, dims.kv_heads
         kv = w.skip.kv(h)

@@ -50,6 +50,7 @@ from torch import nn
 
 from inference.artifacts import DRAFTER_DEFAULTS, read_drafter_spec
 from inference.engine import PaddedPrompts, run_generation
+from inference.skip_routing import route_for
 from inference.lean import EAGER, LeanBackend, lean_unsupported_reason, read_dims, rope_tables
 from inference.rollout import Completion, Emitted
 from inference.sampling import SamplingParams, top_k_filter, top_p_filter
@@ -147,7 +148,7 @@ class MaskedCache:
     def __init__(self, model: nn.Module, batch: int, capacity: int):
         self.dims = read_dims(model)
         self.rope = rope_tables(model, capacity + 1)
-        self.lean = LeanBackend(model, self.dims, self.rope, batch, capacity, EAGER)
+        self.lean = LeanBackend(model, self.dims, self.rope, batch, capacity, EAGER, route=route_for(model))
         self.cache = self.lean.cache
         self.capacity = capacity
         self.slot = 0

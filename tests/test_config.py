@@ -26,7 +26,6 @@ BAD_INPUTS = [
     (["+algo=skipper", "algo.target_skip=1.0"], "algo.target_skip=1.0 must be in [0, 1)"),
     (["+algo=skipper", "algo.target_skip=-0.1"], "algo.target_skip=-0.1 must be in [0, 1)"),
     (["+algo=skipper", "algo.gate=nope"], "algo.gate=nope is not one of soft, hard"),
-    (["+algo=skipper", "backend=fsdp"], "backend=fsdp: algo skipper does not run under FSDP2"),
 ]
 
 

@@ -10,7 +10,7 @@ from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 from inference import Engine, EngineConfig, SamplingParams
 from inference.engine import left_pad
 from inference.lean import KEY, VALUE, LeanBackend, read_dims, rope_tables
-from inference.skip_routing import CostGate, SkipRoute, _break_even, _MEASURED
+from inference.skip_routing import CostGate, SkipRoute, _break_even, _MEASURED, route_for
 from models.loading import random_qwen3
 from models.skipper import apply_skipper, forced, make_spec, record_gates
 
@@ -46,7 +46,7 @@ def greedy(model, prompts, n=12, **config):
 def lean_logits(model, ids, steps=4, mode="auto"):
     """Prefill + greedy decode steps on the lean backend directly: every step's logits, and the backend."""
     dims = read_dims(model)
-    backend = LeanBackend(model, dims, rope_tables(model, 32), ids.shape[0], 32, skip_mode=mode)
+    backend = LeanBackend(model, dims, rope_tables(model, 32), ids.shape[0], 32, route=route_for(model, mode))
     B, P = ids.shape
     with torch.inference_mode():
         out = [backend.prefill(ids, torch.arange(P).expand(B, P), torch.ones_like(ids, dtype=torch.bool))]
@@ -97,7 +97,7 @@ def test_routed_equals_masked_on_mixed_decisions_at_batch_8_with_padding(models)
     steps = {}
     for mode in ("masked", "routed"):
         dims = read_dims(skip)
-        backend = LeanBackend(skip, dims, rope_tables(skip, 32), len(PROMPTS), 32, skip_mode=mode)
+        backend = LeanBackend(skip, dims, rope_tables(skip, 32), len(PROMPTS), 32, route=route_for(skip, mode))
         with torch.inference_mode():
             out = [backend.prefill(padded.ids, padded.positions, padded.valid)]
             for t in range(5):
