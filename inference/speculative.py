@@ -50,10 +50,10 @@ from torch import nn
 
 from inference.artifacts import DRAFTER_DEFAULTS, read_drafter_spec
 from inference.engine import PaddedPrompts, run_generation
-from inference.skip_routing import route_for
 from inference.lean import EAGER, LeanBackend, lean_unsupported_reason, read_dims, rope_tables
 from inference.rollout import Completion, Emitted
 from inference.sampling import SamplingParams, top_k_filter, top_p_filter
+from inference.skip_routing import route_for
 
 __all__ = ["SpecStats", "SpeculativeDecoder", "SpeculativeMode", "accept_greedy", "accept_sampled",
            "target_probs"]

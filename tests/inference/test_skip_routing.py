@@ -255,3 +255,15 @@ def test_evaluate_reports_the_skip_ratio_of_an_export(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     line = json.loads(result.stdout.strip().splitlines()[-1])
     assert line["n"] == 8 and 0.0 < line["skip_ratio"] < 1.0
+
+
+def test_speculative_decoding_composes_with_a_skipper(models):
+    """SEED self-drafting over a skipper model (drafts through the routed top layers, verification
+    runs masked) gives exactly the skipper model's own greedy output."""
+    from inference.speculative import SpeculativeDecoder
+
+    _, skip = models
+    plain, _ = greedy(skip, PROMPTS, n=12)
+    decoder = SpeculativeDecoder(skip, mode="seed", decoder_layers=2, draft_len=3, adaptive=False)
+    outs, stats = decoder.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.0))
+    assert [list(o.tokens) for o in outs] == plain and stats.mean_accepted > 1.0
