@@ -74,6 +74,7 @@ class SkipperConfig:
     loss: str = "kl"  # kl (forward KL from the base, full vocabulary) | lm (cross-entropy on the targets)
     alpha: float = 1.0  # weight of the skip penalty (measured on the tiny default: docs/skipper.md)
     target_skip: float = 0.25  # per-token share of routed layers to skip, in [0, 1)
+    decision_grad: bool = False  # also train the routers through the run/skip decision (straight through)
     kd_temperature: float = 1.0  # loss=kl: temperature of both distributions
     completions: str = "solutions"  # solutions (worked solutions + EOS) | base (the base's greedy completions)
     loss_chunk_tokens: int = 0  # tokens per logits chunk in the KL / CE loss; 0 = from the vocabulary
@@ -148,7 +149,8 @@ class Skipper:
         """Routers + adapters on the routed layers (init from `seed`); everything else frozen."""
         lm = causal_lm(model)
         layers = routed_for(self.cfg.layers, lm.config.num_hidden_layers)
-        apply_skipper(model, make_spec(lm.config, layers, self.cfg.gate), seed=self.cfg.seed)
+        state = apply_skipper(model, make_spec(lm.config, layers, self.cfg.gate), seed=self.cfg.seed)
+        state.decision_grad = self.cfg.decision_grad
         model.requires_grad_(False)
         for p in skipper_parameters(model):
             p.requires_grad_(True)

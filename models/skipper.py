@@ -230,6 +230,10 @@ class SkipperState:
         self.spec, self.link = spec, link
         self.force: Optional[str] = None
         self.record: Optional[GateRecord] = None
+        # training only: pass the gradient of the run/skip decision itself to the router, straight
+        # through, as (run branch - skip branch) for every token -- instead of the scales' gradient
+        # under the hard gate, added to it under the soft one; the forward value is unchanged
+        self.decision_grad = False
 
 
 def skipper_state(model: nn.Module) -> Optional[SkipperState]:
@@ -307,13 +311,19 @@ def _routed_forward(layer: nn.Module, index: int, state: SkipperState, hidden_st
     if state.record is not None:
         state.record.logits[index], state.record.gates[index] = logits, g
     run, s_run, s_skip = gate_scales(g, state.spec.gate)
+    decision_grad = state.decision_grad and state.force is None and torch.is_grad_enabled()
+    if decision_grad and state.spec.gate == "hard":  # the decision's gradient replaces the scales'
+        s_run, s_skip = s_run.detach(), s_skip.detach()
     attn, _ = layer.self_attn(hidden_states=h, **kwargs)
     after_attn = hidden_states + attn
     mlp = layer.mlp(layer.post_attention_layernorm(after_attn))
     dtype = hidden_states.dtype
     ran = after_attn + s_run.to(dtype)[..., None] * mlp
     skipped = hidden_states + s_skip.to(dtype)[..., None] * skipper.adapter(h)
-    return torch.where(run[..., None], ran, skipped)
+    out = torch.where(run[..., None], ran, skipped)
+    if decision_grad:  # value + 0 exactly (g - g.detach() is 0); d out / d g gains ran - skipped
+        out = out + (g - g.detach()).to(dtype)[..., None] * (ran - skipped).detach()
+    return out
 
 
 @contextlib.contextmanager

@@ -74,3 +74,40 @@ def test_a_deep_copy_routes_through_its_own_layers_and_state():
     with torch.no_grad():
         assert torch.equal(forced_copy, m(ids).logits)  # the copy forced to run is the base
         assert not torch.equal(routed_original, forced_copy)
+
+
+@pytest.mark.parametrize("gate", ["hard", "soft"])
+def test_decision_gradient_is_the_branch_difference_straight_through(gate):
+    """With decision_grad the forward value is unchanged and d loss / d g of every token gains
+    <d loss / d out, ran - skipped> (hard gate: that is all of it), ran and skipped computed by hand."""
+    m = model()
+    state = apply_skipper(m, make_spec(m.config, layers=[1], gate=gate), seed=4)
+    layer = m.model.layers[1]
+    x = torch.randn(1, 6, 64)
+    cos_sin = m.model.rotary_emb(x, torch.arange(6)[None])
+    v = torch.randn(1, 6, 64)
+
+    def run(flag):
+        state.decision_grad = flag
+        with record_gates(m) as rec:
+            out = layer(x, position_embeddings=cos_sin, attention_mask=None)
+        rec.logits[1].retain_grad()
+        (out * v).sum().backward()
+        return out.detach(), rec.logits[1].grad.clone(), rec.gates[1].detach()
+
+    plain_out, plain_grad, g = run(False)
+    m.zero_grad()
+    out, grad, _ = run(True)
+    assert torch.equal(out, plain_out)
+    with torch.no_grad():
+        h = layer.input_layernorm(x)
+        attn, _ = layer.self_attn(hidden_states=h, position_embeddings=cos_sin, attention_mask=None)
+        after = x + attn
+        mlp = layer.mlp(layer.post_attention_layernorm(after))
+        run_mask = (g > 0.5)[..., None]
+        s_run, s_skip = (g, 1 - g) if gate == "soft" else (run_mask[..., 0].float(), 1 - run_mask[..., 0].float())
+        ran = after + s_run[..., None] * mlp
+        skipped = x + s_skip[..., None] * layer.skipper.adapter(h)
+        extra = ((ran - skipped) * v).sum(-1) * g * (1 - g)  # d/d logit = d/d g * sigmoid'
+    expected = extra if gate == "hard" else plain_grad + extra
+    torch.testing.assert_close(grad, expected, atol=1e-5, rtol=1e-4)
