@@ -20,8 +20,10 @@ tiny width the per-op overhead of eager PyTorch, not layer compute, sets decode 
 break-even skip ratio per batch size comes from a synthetic policy (each routed row skips with
 probability f, routers still computed) swept over f for routed and naive against dense.
 
-Each setting decodes `--new-tokens` tokens (no early stop) from held-out prompts; variants of one
-setting run round-robin `--repeats` times and keep their fastest pass. One thread; last line JSON.
+Speed is decode only: each setting prefills held-out prompts (not timed; prefill runs masked) and
+then times `--new-tokens` greedy decode steps (no early stop). Variants of one setting run
+round-robin `--repeats` times and keep their fastest pass (so the cost gate's one-time calibration
+is not in the figure). One thread; last line JSON.
 
     python benchmarks/skipper.py                          # build, train (cached), measure
     python benchmarks/skipper.py --targets 0.25 0.5 --steps 300 --widen 4
@@ -136,8 +138,9 @@ class Synthetic(SkipRoute):
         return torch.where(skip, 0.25, 0.75)
 
 
-def decode_time(model, prompts, new_tokens: int, route=None, mode: str = "auto") -> float:
-    """Seconds for prefill + `new_tokens` greedy decode steps of the batch (no early stop)."""
+def decode_time(model, prompts, new_tokens: int, route=None, mode: str = "auto", stats: dict | None = None) -> float:
+    """Seconds of `new_tokens` greedy decode steps of the batch after its prefill (not timed; no
+    early stop). `stats`, when given, receives the route's decode skip ratio."""
     from inference.engine import left_pad
 
     batch = left_pad(prompts, torch.device("cpu"))
@@ -146,13 +149,17 @@ def decode_time(model, prompts, new_tokens: int, route=None, mode: str = "auto")
     with torch.inference_mode():
         backend = LeanBackend(model, dims, rope_tables(model, P + new_tokens + 1), B, P + new_tokens + 1,
                               route=route if route is not None else route_for(model, mode))
-        start = time.perf_counter()
         logits = backend.prefill(batch.ids, batch.positions, batch.valid)
         positions = batch.lengths.clone()
+        start = time.perf_counter()
         for _ in range(new_tokens):
             logits = backend.decode(logits.argmax(-1), positions)
             positions += 1
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+    if stats is not None and hasattr(backend.route, "stats"):
+        stats["skip_ratio"] = backend.route.stats.skip_ratio()
+        stats["executed"] = dict(backend.route.stats.executed)
+    return seconds
 
 
 def round_robin(fns: dict, repeats: int) -> dict:
@@ -236,33 +243,22 @@ def eval_prompts(tok, n: int) -> list[list[int]]:
     return [tok(task.prompt(ex), add_special_tokens=False).input_ids for ex in list(task.test_examples())[:n]]
 
 
-def generate_time(model, prompts, max_new: int, eos: int, mode: str = "auto") -> tuple[float, int]:
-    """(seconds, tokens generated) of one greedy engine call that stops at eos."""
-    from inference import Engine, EngineConfig, SamplingParams
-
-    engine = Engine(model, EngineConfig(skip_mode=mode))
-    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, stop_token_ids=(eos,))
-    start = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    return time.perf_counter() - start, sum(len(o.tokens) for o in outs)
-
-
-def speed_table(dense, skip, prompts_all, args, eos) -> dict:
-    """tokens/s per batch size of dense (the base) and the skipper model in each skip mode."""
-    rows = {}
+def speed_table(dense, skip, prompts_all, args, eos) -> tuple[dict, dict]:
+    """Decode tokens/s per batch size of dense (the base) and the skipper model (its trained routers)
+    in each skip mode, `--new-tokens` steps after the prompts' prefill; and, per batch size, the
+    skip ratio of those decode steps and how the auto mode executed them."""
+    rows, info = {}, {}
     for B in args.batches:
         prompts = prompts_all[:B]
-        fns = {"dense": lambda: generate_time(dense, prompts, args.max_new, eos)}
+        seen: dict = {}
+        fns = {"dense": lambda: decode_time(dense, prompts, args.new_tokens)}
         for mode, name in (("masked", "naive"), ("routed", "routed"), ("auto", "auto")):
-            fns[name] = lambda mode=mode: generate_time(skip, prompts, args.max_new, eos, mode)
-        best, tokens = {k: float("inf") for k in fns}, {}
-        for _ in range(args.repeats):
-            for k, fn in fns.items():
-                seconds, count = fn()
-                best[k] = min(best[k], seconds)
-                tokens[k] = count
-        rows[B] = {k: tokens[k] / best[k] for k in fns}
-    return rows
+            fns[name] = lambda mode=mode, name=name: decode_time(skip, prompts, args.new_tokens, mode=mode,
+                                                                 stats=seen.setdefault(name, {}))
+        best = round_robin(fns, args.repeats)
+        rows[B] = {k: B * args.new_tokens / v for k, v in best.items()}
+        info[B] = {"skip_ratio": round(seen["routed"]["skip_ratio"], 4), "auto_executed": seen["auto"]["executed"]}
+    return rows, info
 
 
 def break_even(dense, skip, prompts_all, args) -> dict:
@@ -308,8 +304,7 @@ def main() -> None:
     ap.add_argument("--extra", nargs="*", default=[], help="more train.py overrides for the skipper runs")
     ap.add_argument("--widen", type=int, default=4)
     ap.add_argument("--eval-examples", type=int, default=100)
-    ap.add_argument("--max-new", type=int, default=96, help="new-token cap of the timed engine calls (eos stops)")
-    ap.add_argument("--new-tokens", type=int, default=32, help="decode steps of the synthetic sweep")
+    ap.add_argument("--new-tokens", type=int, default=40, help="timed decode steps per setting")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 0.75, 1.0])
@@ -334,20 +329,22 @@ def main() -> None:
         q = quality(model, tok, args)
         wide = widen(model, args.widen) if args.widen > 1 else model
         agree = _agreement(model, wide, prompts[:8], eos)
-        speeds = speed_table(wide_base, wide, prompts, args, eos)
+        speeds, decode_info = speed_table(wide_base, wide, prompts, args, eos)
         entry = {"accuracy": q["accuracy"], "skip_ratio": round(q["skip_ratio"], 4),
                  "layer_skip_ratio": round(q["layer_skip_ratio"], 4), "per_layer": q["per_layer"],
                  "wide_agreement": agree, "tokens_per_s": {str(b): {k: round(v, 1) for k, v in r.items()}
                                                             for b, r in speeds.items()},
                  "speedup": {str(b): {k: round(v / r["dense"], 3) for k, v in r.items() if k != "dense"}
-                             for b, r in speeds.items()}}
+                             for b, r in speeds.items()},
+                 "decode": {str(b): v for b, v in decode_info.items()}}
         report["targets"][str(target)] = entry
         print(f"target {target}: accuracy {q['accuracy']:.3f} vs base {base_q['accuracy']:.3f}; skipped "
               f"{q['skip_ratio']:.1%} of routed / {q['layer_skip_ratio']:.1%} of all layer-tokens; per layer "
               f"{q['per_layer']}; widened x{args.widen} greedy agreement {agree:.2f}", flush=True)
         for b, r in speeds.items():
-            print(f"  batch {b:>2}: dense {r['dense']:.0f} tok/s | " + " | ".join(
-                f"{k} {v:.0f} (x{v / r['dense']:.2f})" for k, v in r.items() if k != "dense"), flush=True)
+            print(f"  batch {b:>2}: decode skip {decode_info[b]['skip_ratio']:.1%}; dense {r['dense']:.0f} tok/s | "
+                  + " | ".join(f"{k} {v:.0f} (x{v / r['dense']:.2f})" for k, v in r.items() if k != "dense")
+                  + f" | auto ran {decode_info[b]['auto_executed']}", flush=True)
     wide_skip = copy.deepcopy(wide_base)
     from models.skipper import apply_skipper, make_spec
 
