@@ -5,7 +5,11 @@ At each routed layer (`layers`; [] = the upper half of the stack) a router reads
 input h and gives each token a gate g in [0, 1]; the token runs the layer when g > 0.5 and otherwise
 takes only `x + adapter(h)` (its K/V are still written, so later tokens attend to it). `gate` says
 how g scales the branches (`soft`: the MLP by g, the adapter by 1 - g; `hard`: the 0/1 decision
-with a straight-through gradient). Only the routers and adapters train; every base weight stays as
+with a straight-through gradient; the default). `decision_grad` (default on) also trains each
+router through its run/skip decision: straight through, d out / d g gains (run branch - skip
+branch) for every token, so a router learns whether running its layer beats the adapter (measured
+in docs/skipper.md: without it the routers skip real layers as readily as near-identity ones).
+Only the routers and adapters train; every base weight stays as
 it was, so the base is the teacher without a copy: the same model with every router forced to run
 (`forced(model, "run")`) IS the frozen base.
 
@@ -70,11 +74,11 @@ class SkipperConfig:
     traits: ClassVar[Traits] = Traits()
     name: str = "skipper"
     layers: list[int] = field(default_factory=list)  # routed decoder layers; [] = the upper half
-    gate: str = "soft"  # soft (s_run = g, s_skip = 1 - g) | hard (straight-through 0/1 decision)
+    gate: str = "hard"  # hard (straight-through 0/1 decision) | soft (s_run = g, s_skip = 1 - g)
     loss: str = "kl"  # kl (forward KL from the base, full vocabulary) | lm (cross-entropy on the targets)
     alpha: float = 1.0  # weight of the skip penalty (measured on the tiny default: docs/skipper.md)
     target_skip: float = 0.25  # per-token share of routed layers to skip, in [0, 1)
-    decision_grad: bool = False  # also train the routers through the run/skip decision (straight through)
+    decision_grad: bool = True  # also train the routers through the run/skip decision (straight through)
     kd_temperature: float = 1.0  # loss=kl: temperature of both distributions
     completions: str = "solutions"  # solutions (worked solutions + EOS) | base (the base's greedy completions)
     loss_chunk_tokens: int = 0  # tokens per logits chunk in the KL / CE loss; 0 = from the vocabulary

@@ -26,7 +26,7 @@ round-robin `--repeats` times and keep their fastest pass (so the cost gate's on
 is not in the figure). One thread; last line JSON.
 
     python benchmarks/skipper.py                          # build, train (cached), measure
-    python benchmarks/skipper.py --targets 0.25 0.5 --steps 300 --widen 4
+    python benchmarks/skipper.py --targets 0.5 --extra algo.alpha=1.0 trainer.lr=2e-3 algo.decision_grad=true algo.gate=hard
 """
 from __future__ import annotations
 
@@ -298,8 +298,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/posttrain/bench-skipper"))
     ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--targets", type=float, nargs="+", default=[0.25, 0.5])
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--targets", type=float, nargs="+", default=[0.5])
+    ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--train-threads", type=int, default=2)
     ap.add_argument("--extra", nargs="*", default=[], help="more train.py overrides for the skipper runs")
     ap.add_argument("--widen", type=int, default=4)
