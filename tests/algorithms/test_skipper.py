@@ -282,6 +282,7 @@ def test_bad_input_is_one_config_error_naming_it(tmp_path, override, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.slow  # train.py / evaluate.py subprocesses or several CLI runs
 def test_bad_layers_exit_from_train_py_with_one_line(tmp_path, subprocess_env):
     """train.py itself: one stderr line, exit code 2, output_dir never created. algo.layers is checked
     against a meta-device build of the model (ChecksRun); the other bad values fail in validate() and
@@ -302,6 +303,7 @@ def records(out) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # train.py / evaluate.py subprocesses or several CLI runs
 def test_train_end_to_end_exports_and_resumes(tmp_path, subprocess_env):
     """4 steps (base completions), checkpoints at 2 and 4; then steps 3-4 again from the step-2
     checkpoint equal the uninterrupted run (the routers and adapters travel in the model checkpoint)."""

@@ -213,6 +213,7 @@ def _export(tmp_path, layers: int, hidden: int = 64):
     return model, tok, out
 
 
+@pytest.mark.slow  # train.py / evaluate.py subprocesses or several CLI runs
 def test_cli_serves_an_export_with_its_skipper_and_rejects_a_mismatched_one(tmp_path, capsys):
     from inference.__main__ import main
 
@@ -242,6 +243,7 @@ def test_cli_serves_an_export_with_its_skipper_and_rejects_a_mismatched_one(tmp_
     assert "not a skipper dir" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # train.py / evaluate.py subprocesses or several CLI runs
 def test_evaluate_reports_the_skip_ratio_of_an_export(tmp_path):
     import json
     import subprocess
