@@ -145,7 +145,6 @@ class Skipper:
 
     def __init__(self, cfg: SkipperConfig):
         self.cfg = cfg
-        self.model: Optional[nn.Module] = None  # the prepared model (its causal LM)
 
     # setup
 
@@ -158,7 +157,6 @@ class Skipper:
         model.requires_grad_(False)
         for p in skipper_parameters(model):
             p.requires_grad_(True)
-        self.model = lm
         return model
 
     def check_policy(self, policy: nn.Module) -> None:

@@ -151,8 +151,8 @@ class CostGate:
 
     @staticmethod
     def _measure(route, layer, x, w, dims, rope_rows, cache, slot, mask) -> float:
+        # The timing runs write this step's cache slot; the real step that follows rewrites it for every row.
         n = x.shape[0]
-        saved = cache.kv[layer, :, : cache.n, :, slot: slot + 1].clone()  # the slot the timing runs overwrite
         everyone = torch.ones(n, 1, dtype=torch.bool, device=x.device)
         g = torch.full((n, 1), 0.75, device=x.device)
 
@@ -167,10 +167,9 @@ class CostGate:
 
         h = route._norm(x, w, dims)
         t_masked = timed(lambda: route._masked(layer, x, h, w, dims, rope_rows, cache, slot, mask, everyone, g, g))
-        t_none = timed(lambda: route._mixed(layer, x, h, w, dims, rope_rows, cache, slot, mask, ~everyone, g, g))
-        t_all = timed(lambda: route._mixed(layer, x, h, w, dims, rope_rows, cache, slot, mask, everyone, g, g,
+        t_none = timed(lambda: route._mixed(layer, x, h, w, dims, rope_rows, cache, slot, mask, ~everyone, g, g, 0))
+        t_all = timed(lambda: route._mixed(layer, x, h, w, dims, rope_rows, cache, slot, mask, everyone, g, g, n,
                                            force_gather=True))
-        cache.kv[layer, :, : cache.n, :, slot: slot + 1] = saved
         return _break_even(t_masked, t_none, t_all, n)
 
 
@@ -226,7 +225,7 @@ class SkipRoute:
         self.stats.executed[how] += 1
         if how == "masked":
             return self._masked(layer, x, h, w, dims, rope_rows, cache, slot, mask, run, s_run, s_skip)
-        return self._mixed(layer, x, h, w, dims, rope_rows, cache, slot, mask, run, s_run, s_skip)
+        return self._mixed(layer, x, h, w, dims, rope_rows, cache, slot, mask, run, s_run, s_skip, running)
 
     def gates(self, layer: int, w, h: torch.Tensor) -> torch.Tensor:
         """g (n, T) fp32 of a routed layer from its normed input h (a benchmark's synthetic policy
@@ -295,10 +294,11 @@ class SkipRoute:
             cache.write_rows(layer, slot, rows, k, v)
         return x + s_skip.to(x.dtype)[..., None] * w.skip.adapter(h)
 
-    def _mixed(self, layer, x, h, w, dims, rope_rows, cache, slot, mask, run, s_run, s_skip, force_gather=False):
-        """Decode with per-row decisions: all rows one way (branch), or gathered and scattered."""
+    def _mixed(self, layer, x, h, w, dims, rope_rows, cache, slot, mask, run, s_run, s_skip, running: int,
+               force_gather=False):
+        """Decode with per-row decisions (`running` of them run): all rows one way (branch), or
+        gathered and scattered."""
         n = x.shape[0]
-        running = int(run.sum())
         if running == n and not force_gather:
             return self._body(x, h, w, dims, rope_rows, cache, layer, slot, mask, s_run)
         if running == 0:
