@@ -20,6 +20,8 @@ from tasks.arith import ArithTask
 from tasks.base import (
     DataError,
     Example,
+    HasArtifacts,
+    Segments,
     Task,
     VerifyResult,
     answers_equal,
@@ -49,6 +51,6 @@ def build_task(name: str, **kwargs: Any) -> Task:
 
 
 __all__ = [
-    "ArithTask", "DataError", "Example", "PRESETS", "TASKS", "Task", "TextTask",
+    "ArithTask", "DataError", "Example", "HasArtifacts", "Segments", "PRESETS", "TASKS", "Task", "TextTask",
     "VerifyResult", "answers_equal", "build_task", "extract_answer", "mask_spans", "score",
 ]

@@ -25,6 +25,23 @@ class Example:
     solution: str  # worked solution, ends with the final-answer line "#### N"
     answer: str  # the final answer as text, e.g. "611"
     uid: str  # stable id, e.g. "arith-train-17" or "file.jsonl:42"
+    # Reusable context pieces (tables, documents, skills) placed before the question, each of which a
+    # position-independent cache encodes once on its own (data=artifacts, a user row's `artifacts` list).
+    artifacts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Segments:
+    """A prompt cut where a position-independent cache needs it: `prefix + artifacts + query` is the
+    prompt text. Each piece is tokenized on its own (`add_special_tokens=False`) and the ids
+    concatenated, so the full-prefill reference and the cache read exactly the same tokens."""
+
+    prefix: str  # shared text before the artifacts, encoded once ("" = none)
+    artifacts: tuple[str, ...]
+    query: str  # everything after the artifacts: the question and the answer cue
+
+    def text(self) -> str:
+        return self.prefix + "".join(self.artifacts) + self.query
 
 
 @dataclass
@@ -78,6 +95,13 @@ class Task(Protocol):
     def prompt(self, example: Example) -> str: ...
     def teacher_prompt(self, example: Example, reference: str) -> str: ...
     def solution_spans(self, solution: str) -> list[str]: ...
+
+
+@runtime_checkable
+class HasArtifacts(Protocol):
+    """A task whose prompts hold artifacts: `segments(ex).text() == prompt(ex)` for every example."""
+
+    def segments(self, example: Example) -> Segments: ...
 
 
 # ---------------------------------------------------------------------------------------------
