@@ -59,7 +59,7 @@ from torch import Tensor, nn
 
 from inference.engine import PaddedPrompts, check_prompts, eval_mode, token_budget, token_loop
 from inference.lean import (
-    EAGER, KEY, VALUE, LayerWeights, LeanBackend, Projection, Weights, _attend, lean_unsupported_reason,
+    EAGER, KEY, VALUE, LayerWeights, LeanBackend, Projection, Weights, _attend,
     read_dims, rope_at, rope_tables,
 )
 from inference.relocate import RopeLayout, relocate_keys, rope_layout
@@ -208,7 +208,13 @@ def query_weights(base: Weights, deltas: Mapping[int, Tensor], dims) -> Weights:
 def _lean_model(model: nn.Module) -> None:
     if getattr(model, "skipper_state", None) is not None:
         raise PICError("the position-independent cache does not serve a layer-skipper model")
-    reason = lean_unsupported_reason(model)
+    # The PEFT check of lean_unsupported_reason is left out: `plain_view` already swapped every LoRA
+    # layer for its base (PEFT leaves a `peft_config` attribute on the model it wraps).
+    from inference.lean import LEAN_ARCHITECTURES, _config_reason, _module_reason
+
+    name = type(model).__name__
+    reason = (f"architecture {name} is not one of {sorted(LEAN_ARCHITECTURES)}" if name not in LEAN_ARCHITECTURES
+              else _config_reason(model) or _module_reason(model))
     if reason is not None:
         raise PICError(f"the position-independent cache runs on the lean decoder, which cannot run this model: {reason}")
 
@@ -517,6 +523,9 @@ class _PICStrategy:
         cache = self.backend.cache
         S = self.C + self.Q
         cache.key_ok[:, 0, 0, :S] = batch.valid
+        # Pad slots are never written here; masked or not, an uninitialised NaN there would reach
+        # the attention output (0 weight x NaN), so the prefill slots start at zero.
+        cache.kv[:, :, :, :, :S].zero_()
         self.backend.padded, self.backend.slot = True, S
         if self.cfg.mode == "full":
             logits = self._full(batch, stats)
