@@ -24,6 +24,10 @@ Modes (`PICConfig.mode`; all in this one engine, so their comparison is like for
   cacheblend  layer 0 recomputed for every token; at layer 1 the fresh keys of all context tokens are
               compared with the cached ones and the `blend_ratio` share (15%) with the largest
               deviation is recomputed with the query through every later layer.
+  full_scores the diagnostic: the PIC cache's values read with the attention probabilities of full
+              prefill. A full-prefill twin runs in lockstep over the same tokens (prefill and every
+              decode step); at each layer the new tokens' attention weights are the twin's, applied
+              to the PIC run's own values. Quality recovered here is lost in attention, not in K/V.
 A recomputed token attends to the K/V in the cache at its own layer: the recomputed ones of the
 tokens recomputed with it, the cached ones of the others (`_sparse_prefill`).
 
@@ -66,7 +70,7 @@ from inference.relocate import RopeLayout, relocate_keys, rope_layout
 from inference.rollout import Completion
 from inference.sampling import SamplingParams
 
-MODES = ("full", "pic", "ape", "epic", "cacheblend")
+MODES = ("full", "pic", "ape", "epic", "cacheblend", "full_scores")
 MAX_EPIC_TOKENS = 32
 # A relocated cache whose probe KL against direct encoding exceeds this is wrong, not rounded: fp32
 # relocation measures ~1e-10 on the tiny model; a misread RoPE layout gives 1e-2 and more.
@@ -485,6 +489,7 @@ class _PICStrategy:
         S = self.C + self.Q
         self.rope = rope_tables(model, max(self.engine.max_seq_len, S + new_tokens))
         self.backend = LeanBackend(model, dims, self.rope, B, S + new_tokens)
+        self.backend_model = model
         self.base = self.backend.weights
         self.backend.weights = query_weights(self.base, engine.adapter, dims)
         device = self.backend.cache.kv.device
@@ -533,6 +538,8 @@ class _PICStrategy:
             self._write_context(stats)
             if self.cfg.mode in ("pic", "ape"):
                 logits = self._query_prefill(batch, stats)
+            elif self.cfg.mode == "full_scores":
+                logits = self._scores_prefill(batch, stats)
             elif self.cfg.mode == "epic":
                 logits = self._epic(batch, stats)
             else:
@@ -678,18 +685,79 @@ class _PICStrategy:
     def _finish(self, x: Tensor, stats: PICStats, slots: Tensor, batch: PaddedPrompts) -> Tensor:
         return self.backend.logits(x[:, -1])  # the last slot is every row's last query token
 
+    # -- the full_scores diagnostic -----------------------------------------------------------------
+
+    def _scores_prefill(self, batch: PaddedPrompts, stats: PICStats) -> Tensor:
+        """The twin prefills everything (same slot layout); the PIC run only the query, with the
+        twin's attention weights on the query rows."""
+        S, C = self.C + self.Q, self.C
+        twin = self.twin = LeanBackend(self.backend_model, self.dims, self.rope, len(self.requests),
+                                       self.backend.cache.capacity)
+        twin.cache.kv[:, :, :, :, :S].zero_()
+        twin.cache.key_ok[:, 0, 0, :S] = batch.valid
+        twin.padded, twin.slot = True, S
+        eye = torch.eye(S, dtype=torch.bool, device=self.device)
+        mask = (torch.ones(S, S, dtype=torch.bool, device=self.device).tril() & twin.cache.key_ok[:, :, :, :S]) | eye
+        stats.query_tokens = int(batch.valid[:, C:].sum())
+        return self._lockstep(batch.ids, batch.positions, mask, start=0, pic_from=C)
+
+    def _lockstep(self, ids: Tensor, positions: Tensor, mask: Tensor, start: int, pic_from: int) -> Tensor:
+        """ids/positions (n, T) at slots [start, start + T) for the twin; the PIC run takes the
+        tokens from slot pic_from on. Returns the PIC run's last-position logits (n, V)."""
+        twin, pic = self.twin, self.backend
+        off = pic_from - start
+        x_t = twin.embed(ids)
+        x_p = x_t[:, off:]
+        rows_t = rope_at(self.rope, positions, x_t.dtype)
+        rows_p = tuple(r[:, off:] for r in rows_t)
+        end = start + ids.shape[1]
+        from inference.lean import attention_inputs, attention_output_and_mlp
+
+        for layer in range(self.dims.layers):
+            wb, wq = self.base.layers[layer], pic.weights.layers[layer]
+            q_t, k_t, v_t = attention_inputs(x_t, wb, self.dims, *rows_t)
+            twin.cache.write(layer, start, k_t, v_t)
+            keys_t, values_t = twin.cache.read(layer, end)
+            probs = _attention_probs(q_t[:, off:], keys_t, mask[..., off:, :], self.dims)  # (n, H, T', S)
+            attn_t = _attend(q_t, keys_t, values_t, mask, self.dims)
+            x_t = attention_output_and_mlp(x_t, attn_t, wb, self.dims)
+            _, k_p, v_p = attention_inputs(x_p, wq, self.dims, *rows_p)
+            pic.cache.write(layer, pic_from, k_p, v_p)
+            _, values_p = pic.cache.read(layer, end)
+            heads = values_p.repeat_interleave(self.dims.groups, dim=1)  # (n, H, S, D)
+            attn_p = (probs @ heads.to(probs.dtype)).to(x_p.dtype)  # (n, H, T', D)
+            attn_p = attn_p.transpose(1, 2).reshape(x_p.shape[0], x_p.shape[1], -1)
+            x_p = attention_output_and_mlp(x_p, attn_p, wq, self.dims)
+        return pic.logits(x_p[:, -1])
+
     # -- decoding ---------------------------------------------------------------------------------
 
     def round(self, last: Tensor, positions: Tensor, room) :
         from inference.rollout import Emitted
         from inference.sampling import sample_next
 
-        logits = self.backend.decode(last, positions)
+        if self.cfg.mode == "full_scores":
+            end = self.backend.slot + 1
+            mask = self.backend.cache.key_ok[: self.backend.n, :, :, :end]
+            logits = self._lockstep(last[:, None], positions[:, None], mask, self.backend.slot, self.backend.slot)
+            self.backend.slot = self.twin.slot = end
+        else:
+            logits = self.backend.decode(last, positions)
         tokens, logprobs = sample_next(logits, self.params, self.generator)
         return Emitted(tokens[:, None], logprobs[:, None])
 
     def keep(self, rows: Tensor) -> None:
         self.backend.keep(rows)
+        if self.cfg.mode == "full_scores":
+            self.twin.keep(rows)
+
+
+def _attention_probs(q: Tensor, keys: Tensor, mask: Tensor, dims) -> Tensor:
+    """softmax(q k^T / sqrt(D)) under the bool mask, fp32: q (n, T, H, D), keys (n, H_kv, S, D),
+    mask (n, 1, T, S) -> (n, H, T, S)."""
+    k = keys.repeat_interleave(dims.groups, dim=1).float()  # (n, H, S, D)
+    scores = q.transpose(1, 2).float() @ k.transpose(-1, -2) / dims.head_dim ** 0.5  # (n, H, T, S)
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1)
 
 
 def _left_fill(slots: list[int], width: int) -> list[int]:

@@ -110,10 +110,26 @@ def test_one_artifact_at_position_zero_is_full_prefill():
     model = _model()
     g = torch.Generator().manual_seed(3)
     req = [PICRequest.make([], [_tokens(g, 10)], _tokens(g, 5)), PICRequest.make([], [_tokens(g, 4)], _tokens(g, 7))]
-    pic = PICEngine(model, config=PICConfig(mode="pic")).generate(req, PARAMS)
     full = Engine(model).generate([r.tokens() for r in req], PARAMS)
-    assert [o.tokens for o in pic] == [o.tokens for o in full]
-    assert _max_logprob_gap(pic, full) < 1e-5
+    cache = ArtifactCache(model)
+    for mode in ("pic", "ape", "epic", "cacheblend", "full_scores"):  # nothing to approximate: every mode is exact
+        out = PICEngine(model, cache, PICConfig(mode=mode)).generate(req, PARAMS)
+        assert [o.tokens for o in out] == [o.tokens for o in full], mode
+        assert _max_logprob_gap(out, full) < 1e-5, mode
+
+
+def test_full_scores_diagnostic_is_neither_pic_nor_full_prefill():
+    """Several artifacts: the diagnostic reads PIC's values with full prefill's weights, a third
+    computation (exact on one artifact, above); its greedy decode runs the twin in lockstep."""
+    model = _model()
+    requests = _requests()
+    full = PICEngine(model, config=PICConfig(mode="full")).first_logits(requests)
+    cache = ArtifactCache(model)
+    pic = PICEngine(model, cache, PICConfig(mode="pic")).first_logits(requests)
+    scores = PICEngine(model, cache, PICConfig(mode="full_scores")).first_logits(requests)
+    assert (scores - full).abs().max() > 1e-4 and (scores - pic).abs().max() > 1e-4
+    out = PICEngine(model, cache, PICConfig(mode="full_scores")).generate(requests, PARAMS)
+    assert all(len(o.tokens) == PARAMS.max_new_tokens for o in out)
 
 
 @pytest.mark.parametrize("prefix", [(), (5, 9, 11, 4)])
