@@ -18,12 +18,22 @@ Models load in the dtype they were saved in (what `from_pretrained` does by defa
     python -m inference BASE --skipper runs/skip/final/skipper --prompt "12+7="   # a skipper dir on a base
     python -m inference runs/x/final --prompt "12+7=" --speculative seed        # SEED self-drafting
     python -m inference runs/x/final --prompt "12+7=" --speculative external --drafter runs/small/final
+    python -m inference BASE --artifacts a.txt b.txt --prompt "q: ..."   # position-independent cache
+    python -m inference BASE --adapter runs/attuner/final --artifacts tables.jsonl --prompt "q: kiwo fo?\na: "
 
 With --speculative the completion is followed by a stderr line with the acceptance length (mean
 tokens per verify forward) and tokens/s. `--speculative seed` reads seed_drafter.json from the
 --adapter dir or else DIR when present (else the defaults); `--drafter DIR2` (loaded the same way
 as DIR) alone implies `--speculative external`. With a skipper, a stderr line gives the share of
 skipped routed layer-tokens; `--skip-mode` picks routed, masked or auto (the measured cost gate).
+
+`--artifacts FILE...` serves the prompt over a position-independent cache (`inference/pic.py`):
+each artifact (a text file, or one per line of a .jsonl / item of a .json list) is encoded on its
+own after `--prefix`, placed in that order before the prompt with its keys relocated, and only the
+prompt is prefilled. With `--adapter` (an Attuner export, `+algo=attuner`) the adapter runs on the
+prompt and generated tokens only; the artifact cache is the base's. `--pic-mode` picks the
+comparison modes (full prefill, ape, epic, cacheblend, full_scores). A stderr line reports the
+artifacts, the relocation check and the time to first token.
 """
 from __future__ import annotations
 
@@ -63,6 +73,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-skipper", action="store_true", help="ignore model_dir/skipper/: serve the base alone")
     parser.add_argument("--skip-mode", choices=("auto", "routed", "masked"), default="auto",
                         help="how routed layers run: auto (measured cost gate), routed (gather/scatter), masked")
+    parser.add_argument("--artifacts", nargs="+", metavar="FILE",
+                        help="artifacts to serve from a position-independent cache, in context order")
+    parser.add_argument("--prefix", default="", help="--artifacts: shared text before the artifacts")
+    parser.add_argument("--pic-mode", choices=("pic", "full", "ape", "epic", "cacheblend", "full_scores"),
+                        default="pic", help="--artifacts: how the context is prefilled (default: pic)")
     return parser.parse_args(argv)
 
 
@@ -79,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.adapter and not os.path.exists(os.path.join(args.adapter, ADAPTER_CONFIG)):
         print(f"error: --adapter {args.adapter} is not a PEFT adapter dir (no {ADAPTER_CONFIG})", file=sys.stderr)
         return EXIT_USAGE
+    if args.artifacts:
+        if args.speculative or args.skipper:
+            print("error: --artifacts does not combine with --speculative or --skipper", file=sys.stderr)
+            return EXIT_USAGE
+        return _serve_artifacts(args)
     # Imported after argument checks so `--help` and flag errors answer instantly.
     from inference.engine import Engine
     from inference.sampling import SamplingParams
@@ -189,6 +209,72 @@ def _speculative(args, model, prompt_ids, params, generator):
     print(f"[speculative {args.speculative}] acceptance length {stats.mean_accepted:.2f} tokens/verify, "
           f"{len(completion.tokens) / max(seconds, 1e-9):.1f} tokens/s", file=sys.stderr)
     return completion
+
+
+def _serve_artifacts(args) -> int:
+    """--artifacts: the prompt over a position-independent cache of the artifacts (base + optional
+    query-side adapter). Bad files, an artifact that does not fit, an adapter for another base: one
+    `error:` line, exit 2."""
+    import time
+    import warnings
+
+    from inference.pic import ArtifactCache, PICConfig, PICEngine, PICError, PICRequest, load_query_adapter, read_artifacts
+    from inference.sampling import SamplingParams
+    from models.loading import load_pretrained
+
+    try:
+        texts = read_artifacts(args.artifacts)
+    except PICError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    model_dir, adapter = args.model_dir, args.adapter
+    if adapter is None and os.path.exists(os.path.join(model_dir, ADAPTER_CONFIG)):
+        from peft import PeftConfig  # the dir is itself an adapter: serve it over the base it names
+
+        model_dir, adapter = PeftConfig.from_pretrained(model_dir).base_model_name_or_path, model_dir
+    model, tokenizer = load_pretrained(model_dir, saved_dtype(model_dir))
+    model = model.to(args.device).eval()
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    bos = [tokenizer.bos_token_id] if _adds_bos(tokenizer) else []
+    prefix = bos + (ids(args.prefix) if args.prefix else [])
+    request = PICRequest.make(prefix, [ids(t) for t in texts], ids(args.prompt))
+    eos = tokenizer.eos_token_id
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, stop_token_ids=(eos,) if eos is not None else ())
+    try:
+        deltas = load_query_adapter(model, adapter) if adapter else {}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            cache = ArtifactCache(model, prefix=prefix)
+            engine = PICEngine(model, cache, PICConfig(mode=args.pic_mode), adapter=deltas)
+            start = time.perf_counter()
+            cache.get_many(request.artifacts)
+            encode_s = time.perf_counter() - start
+            generator = torch.Generator(device=args.device).manual_seed(args.seed)
+            completion = engine.generate([request], params, generator)[0]
+    except (PICError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    for warning in caught:
+        print(f"warning: {warning.message}", file=sys.stderr)
+    print(tokenizer.decode(completion.tokens, skip_special_tokens=True))
+    kl = f", relocation check KL {cache.probe_kl:.1e}" if cache.probe_kl is not None else ""
+    print(f"[pic {args.pic_mode}] {len(texts)} artifacts ({cache.stats.encoded_tokens} tokens encoded in "
+          f"{encode_s * 1e3:.1f} ms{kl}); time to first token {engine.stats.ttft_s * 1e3:.1f} ms over "
+          f"{engine.stats.query_tokens} prefilled tokens" + (f"; adapter {adapter}" if adapter else ""),
+          file=sys.stderr)
+    return 0
+
+
+def _adds_bos(tokenizer) -> bool:
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return False
+    probe = tokenizer("a").input_ids
+    return bool(probe) and probe[0] == bos
 
 
 if __name__ == "__main__":

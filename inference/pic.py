@@ -805,3 +805,70 @@ def _sparse_prefill(x: Tensor, slots: Tensor, positions: Tensor, backend: LeanBa
         attn = _attend(q, keys, values, mask, dims)
         x = attention_output_and_mlp(x, attn, wb, dims)
     return x
+
+
+# ----------------------------------------------------------------------------- files and adapters
+
+
+def read_artifacts(paths: Sequence[str]) -> list[str]:
+    """Artifact texts from files: a `.jsonl` file holds one artifact per line (a JSON string, or an
+    object with a "text" field), a `.json` file a list of them, any other file is one artifact (its
+    whole text). PICError naming the file (and 1-based row) on a missing, unreadable or malformed
+    file, or an empty artifact."""
+    import json
+    import os
+
+    out: list[str] = []
+    for path in paths:
+        if not os.path.isfile(path):
+            raise PICError(f"artifacts file {path}: no such file")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+        except UnicodeDecodeError:
+            raise PICError(f"artifacts file {path}: not UTF-8 text") from None
+        if path.endswith(".jsonl"):
+            items = []
+            for row, line in enumerate(text.splitlines(), start=1):
+                if not line.strip():
+                    continue
+                try:
+                    items.append((row, json.loads(line)))
+                except json.JSONDecodeError as err:
+                    raise PICError(f"artifacts file {path}, row {row}: invalid JSON ({err.msg})") from None
+        elif path.endswith(".json"):
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise PICError(f"artifacts file {path}: invalid JSON ({err.msg}, line {err.lineno})") from None
+            if not isinstance(data, list):
+                raise PICError(f"artifacts file {path}: expected a JSON list of artifacts, got {type(data).__name__}")
+            items = list(enumerate(data, start=1))
+        else:
+            items = [(1, text)]
+        for row, item in items:
+            value = item.get("text") if isinstance(item, dict) else item
+            if not isinstance(value, str) or not value:
+                raise PICError(f"artifacts file {path}, row {row}: an artifact must be a non-empty string "
+                               f"(or an object with a non-empty \"text\"), got {type(value).__name__}")
+            out.append(value)
+    if not out:
+        raise PICError(f"no artifacts in {', '.join(paths)}")
+    return out
+
+
+def load_query_adapter(base: nn.Module, adapter_dir: str) -> dict[int, Tensor]:
+    """The q_proj deltas of the PEFT adapter in `adapter_dir` over `base` (base left unchanged);
+    PICError when the adapter does not fit the base or adapts anything but q_proj."""
+    from peft import PeftModel
+
+    try:
+        peft_model = PeftModel.from_pretrained(base, adapter_dir)
+    except (RuntimeError, ValueError, KeyError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise PICError(f"adapter {adapter_dir} does not match the base model: {first}") from None
+    try:
+        deltas = adapter_deltas(peft_model)
+    finally:
+        peft_model.unload()
+    return deltas
