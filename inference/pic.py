@@ -562,7 +562,8 @@ class _PICStrategy:
 
     def _write_context(self, stats: PICStats) -> None:
         """Cached K/V of every row's prefix and artifacts into its context slots, keys relocated to
-        the artifact's place (ape: left where they were encoded, scaled by 1/ape_temperature)."""
+        the artifact's place (ape: left where they were encoded, scaled by 1/ape_temperature). One
+        relocation per row: the row's artifacts concatenated, with per-token old and new positions."""
         cache, store = self.backend.cache, self.engine.cache
         prefix = store.prefix_kv()
         encoded = store.get_many([a for r in self.requests for a in r.artifacts])
@@ -573,20 +574,22 @@ class _PICStrategy:
             if prefix is not None:
                 cache.kv[:, :, row, :, slot : slot + prefix.length] = prefix.kv
                 slot += prefix.length
-            position = len(r.prefix)
-            for _ in r.artifacts:
-                enc = next(it)
-                if self.cfg.mode == "ape":
-                    kv = enc.kv
-                    if self.cfg.ape_temperature != 1.0:
-                        kv = kv.clone()
-                        kv[:, KEY] = kv[:, KEY] / self.cfg.ape_temperature
-                else:
-                    kv = relocate(enc, position, store.rope).kv
-                    stats.relocated_tokens += enc.length if position != enc.start else 0
-                cache.kv[:, :, row, :, slot : slot + enc.length] = kv
-                slot += enc.length
-                position += enc.length
+            parts = [next(it) for _ in r.artifacts]
+            if not parts:
+                continue
+            kv = torch.cat([e.kv for e in parts], dim=3) if len(parts) > 1 else parts[0].kv
+            n = kv.shape[3]
+            if self.cfg.mode == "ape":
+                if self.cfg.ape_temperature != 1.0:
+                    kv = kv.clone()
+                    kv[:, KEY] = kv[:, KEY] / self.cfg.ape_temperature
+                cache.kv[:, :, row, :, slot : slot + n] = kv
+                continue
+            old = torch.cat([torch.arange(e.start, e.start + e.length) for e in parts]).to(self.device)
+            new = torch.arange(len(r.prefix), len(r.prefix) + n, device=self.device)
+            cache.kv[:, VALUE, row, :, slot : slot + n] = kv[:, VALUE]
+            cache.kv[:, KEY, row, :, slot : slot + n] = relocate_keys(kv[:, KEY], old, new, store.rope)
+            stats.relocated_tokens += int((old != new).sum())
 
     def _query_prefill(self, batch: PaddedPrompts, stats: PICStats) -> Tensor:
         """Only the query tokens (slots [C, C + Q)) over the written context."""
