@@ -875,3 +875,45 @@ def load_query_adapter(base: nn.Module, adapter_dir: str) -> dict[int, Tensor]:
     finally:
         peft_model.unload()
     return deltas
+
+
+# ----------------------------------------------------------------------------- text in, completions out
+
+
+def request_of(tokenizer, segments) -> PICRequest:
+    """A PICRequest from a prompt cut into `segments` (`.prefix`, `.artifacts`, `.query` texts):
+    each piece tokenized on its own without special tokens, so full prefill of the concatenated
+    ids and the cache read exactly the same tokens."""
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False).input_ids if text else []
+
+    return PICRequest.make(ids(segments.prefix), [ids(a) for a in segments.artifacts], ids(segments.query))
+
+
+class PICServer:
+    """Completions for prompts given as segments, grouped by shared prefix (one ArtifactCache per
+    prefix, kept across calls: the model's base weights must not change while it lives)."""
+
+    def __init__(self, model: nn.Module, tokenizer, config: PICConfig | None = None,
+                 adapter: Mapping[int, Tensor] | None = None, batch_size: int = 64):
+        self.model, self.tokenizer, self.config = model, tokenizer, config or PICConfig()
+        self.adapter = adapter
+        self.batch_size = batch_size
+        self.caches: dict[tuple[int, ...], ArtifactCache] = {}
+
+    def generate(self, segments: Sequence, params: SamplingParams,
+                 generator: torch.Generator | None = None) -> list[Completion]:
+        requests = [request_of(self.tokenizer, s) for s in segments]
+        out: list[Completion | None] = [None] * len(requests)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(r.prefix, []).append(i)
+        for prefix, rows in groups.items():
+            if prefix not in self.caches:
+                self.caches[prefix] = ArtifactCache(self.model, prefix=prefix)
+            engine = PICEngine(self.model, self.caches[prefix], self.config, adapter=self.adapter)
+            for start in range(0, len(rows), self.batch_size):
+                chunk = rows[start : start + self.batch_size]
+                for i, completion in zip(chunk, engine.generate([requests[i] for i in chunk], params, generator)):
+                    out[i] = completion
+        return out  # type: ignore[return-value]

@@ -274,3 +274,91 @@ def test_bad_requests_are_refused_with_a_clear_error():
         PICConfig(mode="fast")
     with pytest.raises(PICError, match="epic_tokens"):
         PICConfig(mode="epic", epic_tokens=33)
+
+
+# --- text in, the command line ----------------------------------------------------------------------------
+
+
+def test_server_groups_prompts_by_prefix_and_matches_the_engine(tmp_path):
+    from dataclasses import dataclass
+
+    from models.tokenizer import build_char_tokenizer
+    from inference.pic import PICServer, request_of
+
+    @dataclass
+    class Seg:
+        prefix: str
+        artifacts: tuple
+        query: str
+
+    tok = build_char_tokenizer()
+    model = random_qwen3(len(tok), hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, head_dim=16,
+                         max_positions=256).eval()
+    segs = [Seg("", ("[ab]\nca=1\n", "[cd]\nca=2\n"), "q: ab ca?\na: "), Seg("t:\n", ("[ab]\nca=1\n",), "q: x\na: "),
+            Seg("", ("[cd]\nca=2\n",), "q: cd ca?\na: ")]
+    server = PICServer(model, tok)
+    out = server.generate(segs, PARAMS)
+    assert sorted(server.caches) == [(), tuple(tok("t:\n", add_special_tokens=False).input_ids)]
+    for seg, completion in zip(segs, out):
+        req = request_of(tok, seg)
+        alone = PICEngine(model, ArtifactCache(model, prefix=req.prefix)).generate([req], PARAMS)[0]
+        assert completion.tokens == alone.tokens
+    assert "".join(tok.decode(request_of(tok, segs[0]).tokens())) == "[ab]\nca=1\n[cd]\nca=2\nq: ab ca?\na: "
+
+
+@pytest.fixture(scope="module")
+def saved_base(tmp_path_factory):
+    from models.loading import TinySpec, build_tiny
+
+    out = tmp_path_factory.mktemp("base")
+    model, tok = build_tiny(TinySpec(64, 2, 4, 128), 0)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_cli_serves_a_prompt_over_artifact_files(saved_base, tmp_path, capsys):
+    from inference.__main__ import main
+
+    (tmp_path / "a.txt").write_text("[kiwo]\nca=17\n")
+    (tmp_path / "b.jsonl").write_text('"[lema]\\nca=12\\n"\n{"text": "[zu]\\nfo=1\\n"}\n')
+    args = [str(saved_base), "--artifacts", str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"),
+            "--prompt", "q: kiwo ca?\na: ", "--max-new-tokens", "4"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "[pic pic] 3 artifacts" in err and "relocation check KL" in err
+    assert main(args + ["--pic-mode", "full"]) == 0
+
+
+@pytest.mark.parametrize("content, name, message", [
+    (None, "missing.txt", "no such file"),
+    ('"ok"\n{oops\n', "bad.jsonl", "row 2: invalid JSON"),
+    ('["ok", 3]', "bad.json", "row 2: an artifact must be a non-empty string"),
+])
+def test_cli_bad_artifact_files_give_one_error_line(saved_base, tmp_path, capsys, content, name, message):
+    from inference.__main__ import main
+
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    assert main([str(saved_base), "--artifacts", str(path), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and message in err[0] and name in err[0]
+
+
+def test_cli_refuses_an_artifact_longer_than_the_cache_and_an_adapter_for_another_base(saved_base, tmp_path, capsys):
+    from peft import LoraConfig, get_peft_model
+
+    from inference.__main__ import main
+    from models.loading import TinySpec, build_tiny
+
+    (tmp_path / "long.txt").write_text("a" * 2000)
+    assert main([str(saved_base), "--artifacts", str(tmp_path / "long.txt"), "--prompt", "x"]) == 2
+    assert "does not fit the cache" in capsys.readouterr().err
+    other, _ = build_tiny(TinySpec(32, 2, 4, 64), 0)  # another width
+    get_peft_model(other, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "adapter")
+    (tmp_path / "a.txt").write_text("[kiwo]\nca=17\n")
+    assert main([str(saved_base), "--adapter", str(tmp_path / "adapter"), "--artifacts", str(tmp_path / "a.txt"),
+                 "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: adapter") and "does not match the base model" in err[-1]
