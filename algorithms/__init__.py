@@ -2,6 +2,7 @@
 
 A test checks this registry matches configs/algo/*.yaml.
 """
+from algorithms.attuner import Attuner, AttunerConfig
 from algorithms.grpo import GRPO, GRPOConfig
 from algorithms.mass import MASS, MASSConfig
 from algorithms.opsd import OPSD, OPSDConfig
@@ -21,6 +22,7 @@ REGISTRY: dict[str, tuple[type, type]] = {
     "seed": (SEEDConfig, SEED),
     "qad": (QADConfig, QAD),
     "skipper": (SkipperConfig, Skipper),
+    "attuner": (AttunerConfig, Attuner),
 }
 
 

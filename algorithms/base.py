@@ -47,6 +47,14 @@ class PolicyTerms:
 
 
 @dataclass
+class SegmentTerms:
+    """Where each prompt token sits when the prompt is cut into segments for a position-independent
+    artifact cache (Attuner; `algorithms.pic_forward`)."""
+
+    segment: Tensor  # (B, T) long: 0 the shared prefix, k >= 1 artifact k, -1 after the artifacts (query, completion, pads)
+
+
+@dataclass
 class Batch:
     """One step's training data on one rank, from rollout to loss. Rows are right-padded.
 
@@ -68,6 +76,7 @@ class Batch:
     # Terms only some algorithms make, grouped so the batch does not grow a field per algorithm.
     teacher: Optional["TeacherTerms"] = None  # self-distillation: the teacher's view of each row
     policy: Optional["PolicyTerms"] = None  # policy gradient: advantages and the log-probs they compare to
+    segments: Optional["SegmentTerms"] = None  # artifact cache: the segment of each prompt token
 
     def __post_init__(self) -> None:
         assert self.input_ids.dim() == 2, f"input_ids must be (B, T), got {tuple(self.input_ids.shape)}"
@@ -119,7 +128,7 @@ def _map_fields(obj: Any, fn: Callable[[Tensor], Tensor], rows: Optional[Tensor]
         v = getattr(obj, f.name)
         if isinstance(v, Tensor):
             v = fn(v)
-        elif isinstance(v, (TeacherTerms, PolicyTerms)):
+        elif isinstance(v, (TeacherTerms, PolicyTerms, SegmentTerms)):
             v = _map_fields(v, fn, rows)
         elif isinstance(v, list) and v and rows is not None:  # uids may be left empty
             v = [v[i] for i in rows.tolist()]

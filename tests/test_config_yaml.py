@@ -40,6 +40,8 @@ ALGO_OVERRIDES = {
     # skipper: measured on the tiny default (routers + adapters only): 3e-3 tracks the skip target with
     # a lower KL than 1e-3 in 100 steps; 1e-2 overshoots.
     "skipper": {"trainer.lr": 3e-3},
+    # attuner: q_proj LoRA only, measured on the tiny model (docs/attuner.md).
+    "attuner": {"trainer.lr": 5e-3},
 }
 
 # Option files of the other groups: the values they set that differ from the dataclass default.
