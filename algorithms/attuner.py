@@ -46,9 +46,11 @@ Export (`final/`): a standard PEFT adapter dir (`adapter_config.json`, `adapter_
 + the tokenizer + `attuner.json` (what it is, the rank, the base's shape fingerprint) + README.md;
 `peft.PeftModel.from_pretrained(base, "final")` loads it.
 
-Eval: the trainer's held-out accuracy decodes the full prompt through the adapted model (the adapter
-on every token, full prefill) -- not the served path. The PIC eval (the query prefilled over the
-relocated cache, adapter on the query only) belongs with the runtime and is marked below.
+Eval: held-out `accuracy` is measured as the export is served (`eval_completions`): greedy decoding
+with the query prefilled over the relocated artifact cache of `inference.pic` (encoded by the base),
+the adapter on the query and generated tokens only; at step 0 (a zero adapter) that is naive PIC.
+Beside it, on the first held-out prompts, `attuner/full_prefill_accuracy` (the frozen base, full
+prefill: the target) and `attuner/naive_pic_accuracy` (the base over the cache, no adapter).
 
     python train.py +algo=attuner data=artifacts               # the artifact task (being written)
     python train.py +algo=attuner algo.lora_rank=16 algo.beta=0.5
@@ -225,9 +227,38 @@ class Attuner:
                                                                 chunk) / n}
         return StepOutput(fit / normaliser, metrics)
 
-    # eval: the PIC student's held-out accuracy (the query prefilled over the relocated cache, the
-    # adapter on the query only) is to be added with the serving side (`python -m inference BASE
-    # --adapter DIR --artifacts FILE...`), as an `EvaluatesDrafter` capability here.
+    # eval: served the way the export is served
+
+    summary_metrics = {"attuner/full_prefill_accuracy": "full-prefill accuracy of the frozen base (the target)",
+                       "attuner/naive_pic_accuracy": "naive PIC accuracy of the base (no adapter)"}
+
+    def _serve(self, model: nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any], max_new_tokens: int,
+               mode: str = "pic", adapter: Any = None) -> list[list[int]]:
+        from inference.pic import PICConfig, PICServer
+        from inference.sampling import SamplingParams
+
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
+        server = PICServer(unwrap(model), tokenizer, PICConfig(mode=mode), adapter=adapter)
+        return [c.tokens for c in server.generate([task.segments(ex) for ex in examples], params)]
+
+    def eval_completions(self, model: nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any],
+                         max_new_tokens: int) -> list[list[int]]:
+        """Held-out accuracy as served: the query prefilled over the relocated artifact cache (encoded
+        by the base), the adapter on the query and generated tokens only (`inference.pic`)."""
+        return self._serve(model, tokenizer, task, examples, max_new_tokens)
+
+    def evaluate_drafter(self, model: nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any],
+                         max_new_tokens: int) -> dict[str, float]:
+        """The two references on the same prompts: the frozen base with full prefill (what the
+        adapter distils) and the base with naive PIC (what it starts from)."""
+        out = {}
+        for key, mode, adapter in (("attuner/full_prefill_accuracy", "full", None),
+                                   ("attuner/naive_pic_accuracy", "pic", {})):
+            outs = self._serve(model, tokenizer, task, examples, max_new_tokens, mode, adapter)
+            right = [task.verify(ex, tokenizer.decode(t, skip_special_tokens=True)).correct
+                     for ex, t in zip(examples, outs)]
+            out[key] = sum(right) / max(len(right), 1)
+        return out
 
     # artifacts and state
 

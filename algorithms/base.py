@@ -2,7 +2,7 @@
 
 An algorithm never touches process groups, optimizers or files. The contract is `Algorithm` below;
 optional capabilities (`ChecksTask`, `GroupedRollouts`, `SharesPrompts`, `ExposesTokens`,
-`EvaluatesDrafter`, `Scheduled`) are typed protocols resolved once at setup into `Capabilities`, and the config
+`EvaluatesDrafter`, `ServesEval`, `Scheduled`) are typed protocols resolved once at setup into `Capabilities`, and the config
 declares `Traits`. The trainer (trainer/loop.py) calls, per step,
 
     batch = algo.make_batch(examples, ctx)       # no grad: rollouts, teacher passes, rewards
@@ -233,6 +233,15 @@ class EvaluatesDrafter(Protocol):
 
 
 @runtime_checkable
+class ServesEval(Protocol):
+    def eval_completions(self, model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any],
+                         max_new_tokens: int) -> list[list[int]]:
+        """Greedy completion token ids of `examples`, produced the way the algorithm's artifact is
+        served (attuner: over the position-independent cache); held-out accuracy scores these
+        instead of the engine's plain decoding of each prompt."""
+
+
+@runtime_checkable
 class Scheduled(Protocol):
     def plan(self, max_steps: int) -> Any:
         """Lay out a schedule over the run's budget (called once at setup, after prepare_model)."""
@@ -258,6 +267,7 @@ class Capabilities:
     evaluate_drafter: Optional[Callable[..., dict]] = None
     summary_metrics: dict[str, str] = field(default_factory=dict)
     plan: Optional[Callable[[int], Any]] = None
+    eval_completions: Optional[Callable[..., list]] = None
 
 
 def capabilities(algo: Any) -> Capabilities:
@@ -276,6 +286,7 @@ def capabilities(algo: Any) -> Capabilities:
         evaluate_drafter=algo.evaluate_drafter if drafter else None,
         summary_metrics=dict(algo.summary_metrics) if drafter else {},
         plan=algo.plan if isinstance(algo, Scheduled) else None,
+        eval_completions=algo.eval_completions if isinstance(algo, ServesEval) else None,
     )
 
 

@@ -13,13 +13,16 @@ EVAL_BATCH = 64
 
 def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any], world: World,
              max_new_tokens: int, prompt: Optional[Callable[[Any], str]] = None,
-             engine_config: Optional[EngineConfig] = None) -> dict[str, float]:
+             engine_config: Optional[EngineConfig] = None,
+             generate: Optional[Callable[[Sequence[Any]], list[list[int]]]] = None) -> dict[str, float]:
     """Greedy-decode this rank's share of `examples`, verify, and reduce counts over ranks.
 
     `prompt` maps an example to its prompt text (default: the task's student prompt; the
     self-distillation algorithms also measure the teacher prompt, which carries the reference).
     Returns accuracy (final answer right), step_accuracy (share of checkable steps right) and n.
-    `engine_config` configures the inference Engine (None: its defaults).
+    `engine_config` configures the inference Engine (None: its defaults). `generate` replaces the
+    engine: examples -> greedy completion ids (an algorithm that serves its artifact another way,
+    e.g. attuner over the position-independent cache).
     """
     prompt = prompt or task.prompt
     mine = list(examples)[world.rank :: world.size]
@@ -29,9 +32,13 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequen
     correct = steps_ok = steps_total = 0
     for start in range(0, len(mine), EVAL_BATCH):
         chunk = mine[start : start + EVAL_BATCH]
-        prompts = [tokenizer(prompt(ex), add_special_tokens=False).input_ids for ex in chunk]
-        for ex, out in zip(chunk, engine.generate(prompts, params)):
-            result = task.verify(ex, tokenizer.decode(out.tokens, skip_special_tokens=True))
+        if generate is not None:
+            outs = generate(chunk)
+        else:
+            prompts = [tokenizer(prompt(ex), add_special_tokens=False).input_ids for ex in chunk]
+            outs = [out.tokens for out in engine.generate(prompts, params)]
+        for ex, tokens in zip(chunk, outs):
+            result = task.verify(ex, tokenizer.decode(tokens, skip_special_tokens=True))
             correct += int(result.correct)
             steps_ok += result.steps_correct
             steps_total += result.steps_total

@@ -189,7 +189,11 @@ def run_eval(s: Session) -> dict:
     examples = list(s.task.test_examples())[: t.eval_examples]
     model = s.backend.full_model()
     engine = engine_config(t)
-    result = evaluate(model, s.tokenizer, s.task, examples, s.world, t.eval_max_new_tokens, engine_config=engine)
+    serve = s.caps.eval_completions  # e.g. attuner: served over the position-independent cache
+    generate = None if serve is None else (
+        lambda chunk: serve(model, s.tokenizer, s.task, chunk, t.eval_max_new_tokens))
+    result = evaluate(model, s.tokenizer, s.task, examples, s.world, t.eval_max_new_tokens, engine_config=engine,
+                      generate=generate)
     if s.cfg.algo.traits.needs_reference:
         teacher = evaluate(model, s.tokenizer, s.task, examples, s.world, t.eval_max_new_tokens,
                            prompt=lambda ex: s.task.teacher_prompt(ex, ex.solution), engine_config=engine)
