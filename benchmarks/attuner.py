@@ -92,6 +92,100 @@ def print_ttft(res: dict) -> None:
         print(f"{n:>9} {row['context_tokens']:>7} {ms}   {sp}")
 
 
+# ----------------------------------------------------------------------------- accuracy
+
+ACCURACY_MODES = ("full", "pic", "cacheblend", "epic", "ape", "full_scores")
+KINDS = ("single", "select", "combine")
+SPLITS = ("test", "test_ood")
+DEFAULT_WORKDIR = os.path.expanduser("~/.cache/posttrain/bench-attuner")
+
+
+def base_model():
+    """The embedded tiny model warm-started on data=artifacts (built once, cached), its tokenizer and task."""
+    from algorithms import config_schemas
+    from trainer.config import load_config
+    from trainer.distributed import World
+    from trainer.setup import build_task_from, load_model
+    from trainer.warm_start import ensure
+
+    cfg = load_config(["+algo=attuner", "data=artifacts", "logging.wandb=false"], config_schemas())
+    ensure(cfg.model, World())
+    model, tok = load_model(cfg.model, World())
+    return model.eval(), tok, build_task_from(cfg.data)
+
+
+def train(args, seed: int) -> str:
+    """final/ of a `+algo=attuner` run with adapter seed and data order `seed` (cached in --workdir)."""
+    name = f"attuner-s{seed}-n{args.steps}" + ("-" + "-".join(args.extra) if args.extra else "")
+    out = os.path.join(args.workdir, "".join(c if c.isalnum() or c in "-." else "_" for c in name))
+    final = os.path.join(out, "final")
+    if not os.path.exists(os.path.join(final, "attuner.json")):
+        import subprocess
+
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "+algo=attuner", "data=artifacts", f"seed={seed}",
+               f"algo.seed={seed}", f"trainer.max_steps={args.steps}", f"trainer.eval_every={args.steps}",
+               f"trainer.save_every={args.steps}", "trainer.eval_examples=50", "trainer.resume=never",
+               "logging.wandb=false", "logging.progress=false", f"output_dir={out}", *args.extra]
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.train_threads), WANDB_MODE="disabled")
+        started = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"attuner training failed:\n{proc.stderr[-3000:]}")
+        print(f"trained attuner seed {seed} ({args.steps} steps) in {time.perf_counter() - started:.0f}s", flush=True)
+    return final
+
+
+def accuracy(server, tok, task, examples, max_new_tokens: int = 48) -> float:
+    from inference.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tok.eos_token_id,))
+    outs = server.generate([task.segments(ex) for ex in examples], params)
+    return sum(task.verify(ex, tok.decode(o.tokens, skip_special_tokens=True)).correct
+               for ex, o in zip(examples, outs)) / len(examples)
+
+
+def measure_accuracy(args) -> dict:
+    from inference.pic import PICServer, load_query_adapter
+
+    model, tok, task = base_model()
+    sets = {(split, kind): task.examples_of(split, kind)[: args.eval_examples] for split in SPLITS for kind in KINDS}
+    table: dict = {}
+    for mode in ACCURACY_MODES:
+        server = PICServer(model, tok, PICConfig(mode=mode), adapter={})
+        table[mode] = {f"{kind}/{split}": accuracy(server, tok, task, ex) for (split, kind), ex in sets.items()}
+        print(f"{mode:>12}: " + "  ".join(f"{k} {v:.3f}" for k, v in table[mode].items()), flush=True)
+    runs = []
+    for seed in range(args.seeds):
+        deltas = load_query_adapter(model, train(args, seed))
+        server = PICServer(model, tok, PICConfig(mode="pic"), adapter=deltas)
+        runs.append({f"{kind}/{split}": accuracy(server, tok, task, ex) for (split, kind), ex in sets.items()})
+        print(f"  attuner s{seed}: " + "  ".join(f"{k} {v:.3f}" for k, v in runs[-1].items()), flush=True)
+    cells = list(runs[0]) if runs else []
+    table["attuner"] = {c: statistics.mean(r[c] for r in runs) for c in cells}
+    table["attuner_std"] = {c: statistics.pstdev([r[c] for r in runs]) if len(runs) > 1 else 0.0 for c in cells}
+    recovered = {}
+    for c in cells:
+        gap = table["full"][c] - table["pic"][c]
+        recovered[c] = (table["attuner"][c] - table["pic"][c]) / gap if gap > 0 else None
+    return {"n_per_cell": args.eval_examples, "steps": args.steps, "seeds": args.seeds, "table": table,
+            "attuner_runs": runs, "gap_recovered": recovered}
+
+
+def print_accuracy(res: dict) -> None:
+    cells = list(res["table"]["full"])
+    print(f"\n== held-out accuracy, n={res['n_per_cell']} per cell (attuner: mean +- std of {res['seeds']} seeds, "
+          f"{res['steps']} steps) ==")
+    print(f"{'mode':>12} " + " ".join(f"{c:>15}" for c in cells))
+    for mode in ACCURACY_MODES + ("attuner",):
+        row = res["table"].get(mode)
+        if not row:
+            continue
+        std = res["table"]["attuner_std"] if mode == "attuner" else {}
+        print(f"{mode:>12} " + " ".join(f"{row[c]:>9.3f}" + (f" +-{std[c]:.2f}" if c in std else "      ") for c in cells))
+    rec = res["gap_recovered"]
+    print(f"{'gap closed':>12} " + " ".join(f"{rec[c]:>15.2f}" if rec.get(c) is not None else f"{'-':>15}" for c in cells))
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -105,9 +199,19 @@ def main() -> None:
     ap.add_argument("--wide", default="512x8x8x2048", help="HIDDENxLAYERSxHEADSxINTERMEDIATE of the wide shape")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=200, help="attuner training steps per seed")
+    ap.add_argument("--eval-examples", type=int, default=100, help="held-out questions per kind and split")
+    ap.add_argument("--workdir", default=DEFAULT_WORKDIR)
+    ap.add_argument("--train-threads", type=int, default=2)
+    ap.add_argument("--extra", nargs="*", default=[], help="extra train.py overrides for the attuner runs")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     report: dict = {"threads": args.threads}
+    if not args.skip_accuracy:
+        res = measure_accuracy(args)
+        print_accuracy(res)
+        report["accuracy"] = res
     if not args.skip_ttft:
         report["ttft"] = []
         for shape in ("tiny", args.wide):
