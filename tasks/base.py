@@ -84,7 +84,7 @@ def score(result: VerifyResult, mode: str = "steps") -> float:
 
 @runtime_checkable
 class Task(Protocol):
-    """What the trainer needs from a task. Concrete tasks: `ArithTask`, `TextTask`."""
+    """What the trainer needs from a task. Concrete tasks: `ArithTask`, `ArtifactTask`, `TextTask`."""
 
     name: str
     mask_token: str  # placeholder MASS writes in place of a masked span

@@ -19,6 +19,11 @@ Rows: `question_field` and `solution_field` must be non-empty strings. `answer_f
 `####` or `\\boxed{}` is reduced to what they mark. A solution without a `####` line gets
 `#### <answer>` appended (`append_answer_line`), so every solution ends the way the prompt asks.
 `solution_field=None` makes the solution just that answer line (for RL-only data).
+Artifacts: a row may carry `artifacts_field` (default "artifacts"): a list of non-empty strings
+(tables, documents, skills) that becomes `Example.artifacts` and is placed, concatenated as given,
+before the templated question (`segments`: no prefix, the artifacts, the filled prompt template), so
+end each with a newline. Rows without the field (or with null) get `()`; `artifacts_field=None`
+ignores the field. A list from a CSV cell is not possible (a cell is a string, which is refused).
 A bad row raises `DataError` naming the file and 1-based row (JSON lines: the line number; CSV: the
 data row, header not counted), or with `on_bad_row="skip"` is counted in `task.skipped` and warned.
 The verifier checks the final answer only (`steps_total == 0`).
@@ -36,6 +41,7 @@ from tasks.base import (
     ANSWER_MARKER,
     DataError,
     Example,
+    Segments,
     VerifyResult,
     answers_equal,
     check_template,
@@ -170,7 +176,8 @@ class TextTask:
                  max_examples: int | None = None, max_test_examples: int | None = None,
                  hub_config: str | None = None, prompt_template: str | None = None,
                  teacher_template: str | None = None, mask_token: str | None = None,
-                 append_answer_line: bool = True, span_by: str = "auto", name: str | None = None):
+                 append_answer_line: bool = True, span_by: str = "auto", name: str | None = None,
+                 artifacts_field: str | None = "artifacts"):
         if on_bad_row not in ON_BAD_ROW:
             raise DataError(f"on_bad_row must be one of {ON_BAD_ROW}, got {on_bad_row!r}")
         if span_by not in SPAN_BY:
@@ -180,6 +187,7 @@ class TextTask:
         self.name = name or Path(path).stem or path
         self.path, self.on_bad_row, self.span_by = path, on_bad_row, span_by
         self.fields = (question_field, solution_field, answer_field)
+        self.artifacts_field = artifacts_field
         self.append_answer_line = append_answer_line
         self.prompt_template = check_template(prompt_template or TEXT_PROMPT, ["question"], "prompt_template")
         self.teacher_template = check_template(
@@ -248,7 +256,7 @@ class TextTask:
                 raise _BadRow(f"no answer field {a_field!r} and no answer found in the solution")
         if self.append_answer_line and ANSWER_MARKER not in solution:
             solution = f"{solution.rstrip()}\n{ANSWER_MARKER} {answer}"
-        return Example(question, solution, answer, uid)
+        return Example(question, solution, answer, uid, _artifacts(row, self.artifacts_field))
 
     # -- the Task protocol --------------------------------------------------------------------
 
@@ -261,11 +269,15 @@ class TextTask:
                             f"with a test split")
         return self._test
 
+    def segments(self, example: Example) -> Segments:
+        return Segments("", example.artifacts, fill_template(self.prompt_template, question=example.question))
+
     def prompt(self, example: Example) -> str:
-        return fill_template(self.prompt_template, question=example.question)
+        return self.segments(example).text()
 
     def teacher_prompt(self, example: Example, reference: str) -> str:
-        return fill_template(self.teacher_template, question=example.question, reference=reference)
+        query = fill_template(self.teacher_template, question=example.question, reference=reference)
+        return "".join(example.artifacts) + query
 
     def solution_spans(self, solution: str) -> list[str]:
         """Lines ("line"), sentences within lines ("sentence"), or lines unless there are too few ("auto")."""
@@ -288,6 +300,21 @@ def _text(row: dict, field: str) -> str:
     if not value.strip():
         raise _BadRow(f"field {field!r} is empty")
     return value
+
+
+def _artifacts(row: dict, field: str | None) -> tuple[str, ...]:
+    """The row's artifacts: a list of non-empty strings in `field`; () when the row has none."""
+    value = row.get(field) if field is not None else None
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise _BadRow(f"field {field!r} must be a list of strings, got {type(value).__name__}")
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise _BadRow(f"field {field!r}: item {i} must be a string, got {type(item).__name__}")
+        if not item.strip():
+            raise _BadRow(f"field {field!r}: item {i} is empty")
+    return tuple(value)
 
 
 def _answer(row: dict, field: str | None) -> str | None:

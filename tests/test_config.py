@@ -140,3 +140,66 @@ def test_model_path_takes_a_model_or_an_adapter_directory(tmp_path):
     assert load_config(["+algo=sft", "model=hf", f"model.path={adapter}"], config_schemas()).model.path == str(adapter)
     with pytest.raises(ConfigError, match="no config.json or adapter_config.json there"):
         load_config(["+algo=sft", "model=hf", f"model.path={tmp_path}"], config_schemas())
+
+
+# --- the warm-start task -------------------------------------------------------------------------
+
+# Today's arith recipe, written out by hand: its hash names the existing cache entries, which must be reused.
+ARITH_RECIPE = {"version": 2, "spec": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "intermediate_size": 512},
+                "seed": 0, "steps": 300, "lr": 0.003, "batch_size": 64, "reference_fraction": 0.5,
+                "data": {"seed": 0, "n_train": 20000, "n_test": 200, "digits": 2, "steps": 2, "ops": ["+", "-"]}}
+
+
+def _arith_entry() -> str:
+    import hashlib
+    import os
+
+    from trainer.config import DEFAULT_CACHE
+
+    return os.path.join(os.path.expanduser(DEFAULT_CACHE), "tiny-" + hashlib.sha256(
+        json.dumps(ARITH_RECIPE, sort_keys=True).encode()).hexdigest()[:12])
+
+
+def test_the_arith_warm_start_recipe_and_entry_are_unchanged(monkeypatch):
+    from algorithms import config_schemas
+    from trainer import default_model
+    from trainer.config import ModelConfig, load_config
+
+    monkeypatch.delenv("POSTTRAIN_CACHE", raising=False)
+    assert _arith_entry().endswith("tiny-0e55b5e22a46")  # the name of the entries built before this change
+    for args in ([], ["data=text", "data.path=x.jsonl"], ["data=artifacts", "model.warm_start_task=arith"]):
+        m = load_config(["+algo=sft", *args], config_schemas()).model
+        assert m.warm_start_task == "arith" and default_model.recipe(m) == ARITH_RECIPE
+        assert default_model.cache_path(m) == _arith_entry()
+    assert default_model.cache_path(ModelConfig(warm_start_steps=300)) == _arith_entry()  # auto outside load_config
+
+
+def test_data_artifacts_warm_starts_on_artifacts(monkeypatch):
+    from algorithms import config_schemas
+    from trainer import default_model
+    from trainer.config import load_config
+
+    monkeypatch.delenv("POSTTRAIN_CACHE", raising=False)
+    m = load_config(["+algo=sft", "data=artifacts"], config_schemas()).model
+    numbers = default_model.WARM_NUMBERS["artifacts"]
+    assert m.warm_start_task == "artifacts" and m.warm_start_steps == numbers["steps"]
+    assert (m.warm_start_lr, m.warm_start_batch_size, m.warm_start_reference_fraction) == (
+        numbers["lr"], numbers["batch_size"], numbers["reference_fraction"])
+    r = default_model.recipe(m)
+    assert r["task"] == "artifacts" and r["data"] == default_model.WARM_DATA_ARTIFACTS
+    assert default_model.cache_path(m) != _arith_entry()
+    # evaluate.py loads its config the same way (algo replaced by sft): the same entry as train.py's
+    evaluating = load_config(["data=artifacts", "+algo=sft"], config_schemas()).model
+    assert default_model.cache_path(evaluating) == default_model.cache_path(
+        load_config(["+algo=grpo", "data=artifacts"], config_schemas()).model)
+    assert load_config(["+algo=sft", "data=artifacts", "model.warm_start_steps=7"],
+                       config_schemas()).model.warm_start_steps == 7  # a given number wins over the recipe's
+    assert load_config(["+algo=sft", "data=artifacts", "model=tiny_init"], config_schemas()).model.warm_start_steps == 0
+
+
+def test_bad_warm_start_task_is_one_line():
+    from algorithms import config_schemas
+    from trainer.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"^model.warm_start_task=gsm8k is not one of auto, arith, artifacts$"):
+        load_config(["+algo=sft", "model.warm_start_task=gsm8k"], config_schemas())

@@ -20,8 +20,13 @@ CONFIGS = ROOT / "configs"
 # dataclass), and so is an entry here that no longer differs.
 COMMON_OVERRIDES = {
     # configs/model/tiny.yaml: the embedded default is warm-started (ModelConfig's 0 = random init,
-    # which is what model=tiny_init selects).
+    # which is what model=tiny_init selects). Its null warm-start numbers and `auto` task are resolved
+    # by load_config from the run's data (arith here) to that task's recipe (default_model.WARM_NUMBERS).
     "model.warm_start_steps": 300,
+    "model.warm_start_task": "arith",
+    "model.warm_start_lr": 3e-3,
+    "model.warm_start_batch_size": 64,
+    "model.warm_start_reference_fraction": 0.5,
 }
 ALGO_OVERRIDES = {
     "sft": {},
@@ -46,10 +51,11 @@ ALGO_OVERRIDES = {
 
 # Option files of the other groups: the values they set that differ from the dataclass default.
 GROUP_OVERRIDES = {
-    ("model", "tiny"): {"warm_start_steps": 300},  # warm-started default (see COMMON_OVERRIDES)
+    ("model", "tiny"): {"warm_start_steps": None},  # null = the warm-start task's recipe (see COMMON_OVERRIDES)
     ("model", "tiny_init"): {"name": "tiny_init"},
     ("model", "hf"): {"name": "hf"},
     ("data", "text"): {"name": "text"},
+    ("data", "artifacts"): {"name": "artifacts"},
     ("backend", "single"): {"name": "single"},
     ("backend", "ddp"): {"name": "ddp"},
     ("backend", "fsdp"): {"name": "fsdp"},
@@ -58,7 +64,7 @@ GROUP_OVERRIDES = {
 SCHEMAS = {"model": ModelConfig, "data": DataConfig, "backend": BackendConfig, "logging": LoggingConfig,
            "trainer": TrainerConfig}
 # Files that must list every field of their group's dataclass (the others set only what differs;
-# data/ is covered by its two task files together, see test_data_files_cover_every_field).
+# data/ is covered by its task files together, see test_data_files_cover_every_field).
 FULL_LISTINGS = [("trainer", "default"), ("logging", "default"), ("backend", "auto"), ("model", "tiny")]
 
 

@@ -37,11 +37,16 @@ class ModelConfig:
     num_layers: int = 4
     num_heads: int = 4
     intermediate_size: int = 512
-    # Warm start: our own SFT on `data=arith`, run once and cached; 0 steps => random init.
-    warm_start_steps: int = 0
-    warm_start_lr: float = 3e-3
-    warm_start_batch_size: int = 64
-    warm_start_reference_fraction: float = 0.5  # share of warm-up prompts carrying a (masked) reference
+    # Warm start: our own SFT on `warm_start_task`, run once per recipe and cached; 0 steps => random init.
+    # auto = the run's data.name when it is arith or artifacts, else arith (resolved by load_config;
+    # outside it auto means arith).
+    warm_start_task: str = "auto"
+    # null => the warm-start task's measured recipe value (trainer/default_model.py::WARM_NUMBERS):
+    # arith 300 steps, lr 3e-3, batch 64, reference 0.5; artifacts: see docs/artifacts.md.
+    warm_start_steps: Optional[int] = 0
+    warm_start_lr: Optional[float] = None
+    warm_start_batch_size: Optional[int] = None
+    warm_start_reference_fraction: Optional[float] = None  # share of warm-up prompts carrying a (masked) reference
     # A build below this held-out accuracy is not published: it catches a build that learned nothing (an
     # interrupted one scored 0.0) while allowing for seeds (measured: 0.36 at model.seed=0, 0.10 at 1).
     warm_start_min_accuracy: float = 0.05
@@ -49,14 +54,21 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "arith"  # arith | text
+    name: str = "arith"  # arith | artifacts | text
     seed: int = 0
-    # arith knobs
+    # arith knobs (n_train, n_test, seed and the templates are read by artifacts too)
     n_train: int = 20000
-    n_test: int = 200
+    n_test: int = 200  # artifacts: per kind, in each of the in-domain and held-out test splits
     digits: int = 2
     steps: int = 2
     ops: list[str] = field(default_factory=lambda: ["+", "-"])
+    # artifacts knobs (name=artifacts; tasks/artifacts.py)
+    n_artifacts: int = 4  # tables in a select / combine context
+    artifact_rows: int = 3  # key=value rows per table
+    n_library: int = 8000  # tables of the training library (train and in-domain test draw from it)
+    n_library_ood: int = 500  # tables of the held-out library (the test_ood split only)
+    kinds: dict[str, float] = field(default_factory=lambda: {"single": 1.0, "select": 1.0, "combine": 1.0})
+    artifact_prefix: str = ""  # shared text before the artifacts ("" = none)
     # user data (name=text)
     path: Optional[str] = None
     test_path: Optional[str] = None
@@ -68,6 +80,7 @@ class DataConfig:
     answer_field: str = "answer"
     on_bad_row: str = "error"  # error | skip
     max_examples: Optional[int] = None
+    artifacts_field: Optional[str] = "artifacts"  # a row's list of artifact strings, placed before the question
     # prompts (None => the task's default)
     prompt_template: Optional[str] = None
     teacher_template: Optional[str] = None
@@ -202,8 +215,21 @@ def load_config(overrides: list[str], algo_schemas: dict[str, type]) -> TrainCon
         cfg.algo = OmegaConf.to_object(algo)
     except OmegaConfBaseException as err:
         raise ConfigError(_describe(err)) from None
+    _resolve_warm_start(cfg)
     validate(cfg)
     return cfg
+
+
+def _resolve_warm_start(cfg: TrainConfig) -> None:
+    """model.warm_start_task auto -> the run's task (arith or artifacts, else arith), and every null
+    model.warm_start_* number -> that task's recipe value, so train.py and evaluate.py (both load
+    their config here) build and read the same cache entry."""
+    from trainer.default_model import resolve
+
+    try:
+        cfg.model = resolve(cfg.model, cfg.data.name)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _without_algo(raw: dict) -> dict:
@@ -220,9 +246,10 @@ def _describe(err: Exception) -> str:
 
 CHOICES = {
     "backend.name": ("auto", "single", "ddp", "fsdp", "deepspeed"),
-    "data.name": ("arith", "text"),
+    "data.name": ("arith", "artifacts", "text"),
     "data.on_bad_row": ("error", "skip"),
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.warm_start_task": ("auto", "arith", "artifacts"),
 }
 
 

@@ -2,6 +2,13 @@
 is complete. Reading only -- building is the warm-start stage (trainer/warm_start.py), which runs
 before a session is built and is the only writer.
 
+The warm-start task is `model.warm_start_task`: `arith` (the default) or `artifacts` (config
+loading resolves `auto` to the run's `data.name` when that is one of them, else `arith`; outside
+config loading `auto` means `arith`). Each task has its own warm-up data (`WARM_DATA`,
+`WARM_DATA_ARTIFACTS`) and measured recipe numbers (`WARM_NUMBERS`), which a `model.warm_start_*`
+key left null takes. The arith recipe dict is exactly what it was before the artifacts task existed
+(no `task` entry), so its existing cache entries are reused.
+
 An entry is `model.cache_dir/tiny-<recipe hash>/`, a plain HF model directory plus `warm_start.json`:
 the recipe, the steps trained, the held-out accuracy reached and the accuracy floor it was held to.
 It counts as complete only when all the recipe's steps ran and the accuracy reached the floor; an
@@ -13,9 +20,10 @@ import dataclasses
 import hashlib
 import json
 import os
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from models.loading import TinySpec
+if TYPE_CHECKING:  # models.loading imports torch; config loading imports this module and must stay light
+    from models.loading import TinySpec
 
 RECIPE_VERSION = 2
 DONE = "warm_start.json"
@@ -23,16 +31,57 @@ METRICS = "warm_start_metrics.jsonl"
 # Same seed as the default data=arith, so the warm-up trains on its train split only and never sees
 # its held-out questions.
 WARM_DATA = {"seed": 0, "n_train": 20000, "n_test": 200, "digits": 2, "steps": 2, "ops": ["+", "-"]}
+# The artifacts warm-up: the default data=artifacts except the train mix (the same seed, libraries and
+# n_test, so its test and ood problems are never trained on: the test splits do not depend on `kinds`),
+# weighted to single, whose short contexts are where the tiny model first learns to look values up.
+WARM_DATA_ARTIFACTS = {"seed": 0, "n_train": 40000, "n_test": 200, "n_artifacts": 4, "artifact_rows": 3,
+                       "n_library": 8000, "n_library_ood": 500,
+                       "kinds": {"single": 3.0, "select": 1.0, "combine": 1.0}, "artifact_prefix": ""}
+WARM_TASK_DATA = {"arith": WARM_DATA, "artifacts": WARM_DATA_ARTIFACTS}
+WARM_START_TASKS = ("auto",) + tuple(WARM_TASK_DATA)
+# Recipe numbers per warm-start task, taken by the model.warm_start_* keys left null (configs/model/tiny.yaml).
+# arith: the original recipe (300 steps, ~5.5 min on 2 CPU cores). artifacts: plain SFT (no reference
+# rows: full prefill of prompt + solution), numbers measured as in docs/artifacts.md.
+WARM_NUMBERS = {
+    "arith": {"steps": 300, "lr": 3e-3, "batch_size": 64, "reference_fraction": 0.5},
+    "artifacts": {"steps": 1200, "lr": 3e-3, "batch_size": 32, "reference_fraction": 0.0},
+}
+_NUMBER_KEYS = {"steps": "warm_start_steps", "lr": "warm_start_lr", "batch_size": "warm_start_batch_size",
+                "reference_fraction": "warm_start_reference_fraction"}
 
 
-def spec(m: Any) -> TinySpec:
+def spec(m: Any) -> "TinySpec":
+    from models.loading import TinySpec
+
     return TinySpec(m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size)
+
+
+def warm_task(m: Any, data_name: Optional[str] = None) -> str:
+    """The warm-start task of `m`: its `warm_start_task`, with `auto` = `data_name` when that is a
+    warm-start task, else arith."""
+    task = getattr(m, "warm_start_task", "auto")
+    if task == "auto":
+        return data_name if data_name in WARM_TASK_DATA else "arith"
+    if task not in WARM_TASK_DATA:
+        raise ValueError(f"model.warm_start_task={task} is not one of {', '.join(WARM_START_TASKS)}")
+    return task
+
+
+def resolve(m: Any, data_name: Optional[str] = None) -> Any:
+    """`m` with `warm_start_task` resolved and every null `warm_start_*` number set from that task's
+    `WARM_NUMBERS` (a copy; `m` is unchanged). Idempotent."""
+    task = warm_task(m, data_name)
+    numbers = {attr: WARM_NUMBERS[task][key] for key, attr in _NUMBER_KEYS.items() if getattr(m, attr) is None}
+    return dataclasses.replace(m, warm_start_task=task, **numbers)
 
 
 def recipe(m: Any) -> dict:
     """What determines the warm-started weights (hashed into the entry's name). `model.seed` seeds
-    the model; the run's own `seed` does not enter, so runs with other seeds share one entry."""
-    return {
+    the model; the run's own `seed` does not enter, so runs with other seeds share one entry. A task
+    other than arith adds a `task` entry (so arith's dict, and hash, are what they always were)."""
+    m = resolve(m)
+    task = m.warm_start_task
+    out = {
         "version": RECIPE_VERSION,
         "spec": dataclasses.asdict(spec(m)),
         "seed": m.seed,
@@ -40,8 +89,11 @@ def recipe(m: Any) -> dict:
         "lr": m.warm_start_lr,
         "batch_size": m.warm_start_batch_size,
         "reference_fraction": m.warm_start_reference_fraction,
-        "data": WARM_DATA,
+        "data": WARM_TASK_DATA[task],
     }
+    if task != "arith":
+        out["task"] = task
+    return out
 
 
 def cache_path(m: Any) -> str:
@@ -60,7 +112,7 @@ def entry_problem(m: Any, path: Optional[str] = None) -> Optional[str]:
             record = json.load(fh)
     except (OSError, ValueError) as err:
         return f"unreadable {DONE}: {err}"
-    want = recipe(m)["steps"]
+    want = resolve(m).warm_start_steps
     steps = record.get("steps_done", _last_train_step(os.path.join(path, METRICS)))
     if steps != want:
         return f"trained {steps} of {want} steps"

@@ -43,11 +43,16 @@ def build_task_from(data: DataConfig):
     if data.name == "arith":
         return build_task("arith", seed=data.seed, n_train=data.n_train, n_test=data.n_test, digits=data.digits,
                           steps=data.steps, ops=tuple(data.ops), **templates)
+    if data.name == "artifacts":
+        return build_task("artifacts", seed=data.seed, n_train=data.n_train, n_test=data.n_test,
+                          n_artifacts=data.n_artifacts, rows=data.artifact_rows, n_library=data.n_library,
+                          n_library_ood=data.n_library_ood, kinds=dict(data.kinds), prefix=data.artifact_prefix,
+                          **templates)
     return build_task("text", path=data.path, test_path=data.test_path, train_split=data.train_split,
                       test_split=data.test_split, test_fraction=data.test_fraction, seed=data.seed,
                       question_field=data.question_field, solution_field=data.solution_field,
                       answer_field=data.answer_field, on_bad_row=data.on_bad_row,
-                      max_examples=data.max_examples, **templates)
+                      max_examples=data.max_examples, artifacts_field=data.artifacts_field, **templates)
 
 
 def load_model(m: ModelConfig, world: World):
@@ -56,6 +61,7 @@ def load_model(m: ModelConfig, world: World):
     (trainer/warm_start.py, run by train.py before the session) has built."""
     if m.path is not None:
         return load_pretrained(os.path.expanduser(m.path), m.dtype, m.trust_remote_code)
+    m = default_model.resolve(m)
     if m.warm_start_steps == 0:
         return build_tiny(default_model.spec(m), m.seed)
     path = default_model.cache_path(m)

@@ -2,9 +2,11 @@
 built. `train.py` and `evaluate.py` run it first; `setup.load_model` only ever reads the entry.
 
 The default model is the tiny Qwen3 + character tokenizer warm-started by our own SFT on
-`data=arith`. Part of the warm-up prompts carry the reference solution (full, or with steps
-masked), so the warm model can read a privileged reference -- without that, the self-teacher of the
-distillation algorithms would be no better than the student.
+`data=arith` (`model.warm_start_task`). Part of the warm-up prompts carry the reference solution
+(full, or with steps masked), so the warm model can read a privileged reference -- without that, the
+self-teacher of the distillation algorithms would be no better than the student. With
+`data=artifacts` the warm start is plain SFT on the artifacts task instead (full prefill of every
+table, no reference rows; its own data and recipe numbers in trainer/default_model.py).
 
 Publishing rules (an entry is reused by every later run, so a bad one would poison them all):
 - the build trains in a private temporary directory and is published by one atomic rename, only
@@ -30,7 +32,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from trainer.default_model import DONE, METRICS, WARM_DATA, cache_path, entry_problem, recipe, spec
+from trainer.default_model import DONE, METRICS, WARM_TASK_DATA, cache_path, entry_problem, recipe, resolve, spec
 from trainer.distributed import World
 
 WARM_EVAL_EXAMPLES = 100
@@ -45,6 +47,7 @@ class WarmStartError(RuntimeError):
 def ensure(m, world: World) -> Optional[str]:
     """The default model's complete cache entry (built here if needed), or None when `m` needs no
     warm start (a model path, or `warm_start_steps=0`). Every rank calls this."""
+    m = resolve(m)
     if m.path is not None or m.warm_start_steps == 0:
         return None
     path = cache_path(m)
@@ -103,20 +106,23 @@ def _discard(path: str) -> None:
 
 
 def build(m, path: str) -> None:
-    """SFT the random tiny model on arith in this process (all cores); publish it atomically only when
-    it ran to completion and reached its accuracy floor. Raises WarmStartError otherwise."""
+    """SFT the random tiny model on the warm-start task in this process (all cores); publish it atomically
+    only when it ran to completion and reached its accuracy floor. Raises WarmStartError otherwise."""
     from algorithms import config_schemas
     from models.loading import build_tiny
     from trainer.config import BackendConfig, DataConfig, LoggingConfig, TrainConfig, TrainerConfig
     from trainer.loop import fit
     from trainer.setup import build_session, build_task_from, export_final
 
+    m = resolve(m)
     r = recipe(m)
+    data = {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
+            for k, v in WARM_TASK_DATA[m.warm_start_task].items()}  # copies: the config must not alias the recipe
     tmp = f"{path}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     cfg = TrainConfig(
         output_dir=tmp, seed=m.seed, model=m,
-        data=DataConfig(name="arith", **{**WARM_DATA, "ops": list(WARM_DATA["ops"])}),
+        data=DataConfig(name=m.warm_start_task, **data),
         backend=BackendConfig(name="single"), logging=LoggingConfig(wandb=False),
         trainer=TrainerConfig(max_steps=r["steps"], batch_size=r["batch_size"], micro_batch_size=WARM_MICRO_BATCH,
                               lr=r["lr"], warmup_steps=max(1, r["steps"] // 20), min_lr_ratio=0.05,

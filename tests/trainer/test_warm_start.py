@@ -55,6 +55,22 @@ def test_built_once_then_loaded_from_cache(tmp_path, monkeypatch):
     assert tok.eos_token_id is not None and len(tok) == model.config.vocab_size
 
 
+@pytest.mark.slow  # a warm-start build (the artifacts task's 40000 warm-up problems are generated): 4 s
+def test_artifacts_warm_start_is_its_own_entry_trained_on_that_task(tmp_path, monkeypatch):
+    monkeypatch.setattr(warm_start, "WARM_EVAL_EXAMPLES", 4)
+    m = _cfg(tmp_path, warm_start_task="artifacts")
+    arith = _cfg(tmp_path)
+    assert default_model.cache_path(m) != default_model.cache_path(arith)
+    assert "task" not in default_model.recipe(arith) and default_model.recipe(arith)["data"] == default_model.WARM_DATA
+    warm_start.ensure(m, World())
+    path = default_model.cache_path(m)
+    record = json.loads(open(os.path.join(path, default_model.DONE)).read())
+    assert record["recipe"]["task"] == "artifacts" and record["steps_done"] == 2
+    assert record["recipe"]["reference_fraction"] == default_model.WARM_NUMBERS["artifacts"]["reference_fraction"]
+    assert not os.path.exists(default_model.cache_path(arith))  # the arith entry was not built
+    assert default_model.entry_problem(m) is None
+
+
 @pytest.mark.slow  # warm-start builds: 26 s
 def test_recipe_change_or_seed_gives_new_entry_and_same_seed_same_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(warm_start, "WARM_EVAL_EXAMPLES", 4)
