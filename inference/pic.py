@@ -504,7 +504,8 @@ class _PICStrategy:
             c, q = r.context_len(), len(r.query)
             ctx = [*r.prefix, *(t for a in r.artifacts for t in a)]
             c0, q0 = self.C - c, S - q
-            ids[row, c0 : self.C] = torch.tensor(ctx, dtype=torch.long) if ctx else ids[row, c0 : self.C]
+            if ctx:
+                ids[row, c0 : self.C] = torch.tensor(ctx, dtype=torch.long)
             ids[row, q0:] = torch.tensor(r.query, dtype=torch.long)
             valid[row, c0 : self.C] = True
             valid[row, q0:] = True
@@ -626,7 +627,7 @@ class _PICStrategy:
         all_slots = [[s for s in range(S) if bool(batch.valid[row, s])] for row in range(B)]
         x, slots = self._sparse_layers(batch, all_slots, range(0, 1))  # (B, R, C)
         if self.dims.layers == 1:
-            return self._finish(x, stats, slots, batch)
+            return self.backend.logits(x[:, -1])  # the last slot is every row's last query token
         w1 = self.base.layers[1]
         pos = torch.stack([batch.positions[row, slots[row]] for row in range(B)])
         _, k_fresh, _ = _inputs(x, w1, self.dims, self.rope, pos)  # (B, R, H_kv, D)
@@ -666,7 +667,7 @@ class _PICStrategy:
                                            device=self.device))
             x = torch.stack([x0[row, picked[row]] for row in range(len(self.requests))])
             x, slots = self._sparse_layers(batch, rows, range(first_layer, self.dims.layers), x=x)
-        return self._finish(x, stats, slots, batch)
+        return self.backend.logits(x[:, -1])  # the last slot is every row's last query token
 
     @staticmethod
     def _width(rows: list[list[int]]) -> int:
@@ -684,9 +685,6 @@ class _PICStrategy:
         x = _sparse_prefill(x, slots, pos, self.backend, layers, self.base, self.backend.weights, self.rope,
                             self.dims, self.C)
         return x, slots
-
-    def _finish(self, x: Tensor, stats: PICStats, slots: Tensor, batch: PaddedPrompts) -> Tensor:
-        return self.backend.logits(x[:, -1])  # the last slot is every row's last query token
 
     # -- the full_scores diagnostic -----------------------------------------------------------------
 

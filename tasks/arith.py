@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from tasks.base import (
+    check_charset as reject_outside_charset,
     ANSWER_MARKER,
     DataError,
     Example,
@@ -240,7 +241,7 @@ class ArithTask:
         self.mask_token = mask_token or ARITH_MASK_TOKEN
         if check_charset:
             fixed = fill_template(self.prompt_template + self.teacher_template, question="", reference="")
-            _check_charset(fixed + self.mask_token)
+            reject_outside_charset(fixed + self.mask_token, 'arith')
         self._splits: tuple[list[Example], list[Example]] | None = None
 
     # -- data ---------------------------------------------------------------------------------
@@ -323,11 +324,3 @@ class ArithTask:
         total, right = check_working(completion, expected)
         return VerifyResult(answers_equal(answer, example.answer), answer, total, right)
 
-
-def _check_charset(text: str) -> None:
-    from models.tokenizer import CHARSET  # the tiny tokenizer's alphabet is the source of truth
-
-    bad = sorted(set(text) - set(CHARSET))
-    if bad:
-        raise DataError(f"arith: characters {bad!r} are outside the tiny tokenizer's charset "
-                        f"(they would become <unk>); pass check_charset=False for another tokenizer")

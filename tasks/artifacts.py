@@ -57,6 +57,7 @@ import re
 from typing import Mapping, Sequence
 
 from tasks.base import (
+    check_charset as reject_outside_charset,
     ANSWER_MARKER,
     DataError,
     Example,
@@ -227,7 +228,7 @@ class ArtifactTask:
         self.mask_token = mask_token or ARTIFACT_MASK_TOKEN
         if check_charset:
             fixed = fill_template(self.prompt_template + self.teacher_template, question="", reference="")
-            _check_charset(fixed + self.mask_token + prefix)
+            reject_outside_charset(fixed + self.mask_token + prefix, 'artifacts')
         self._libraries: tuple[list[Table], list[Table]] | None = None
         self._splits: dict[str, dict[str, list[Example]]] | None = None
         self._train: list[Example] | None = None
@@ -371,11 +372,3 @@ class ArtifactTask:
         total, right = check_working(completion, expected, expected_sums, context_tables(example.artifacts))
         return VerifyResult(answers_equal(answer, example.answer), answer, total, right)
 
-
-def _check_charset(text: str) -> None:
-    from models.tokenizer import CHARSET  # the tiny tokenizer's alphabet is the source of truth
-
-    bad = sorted(set(text) - set(CHARSET))
-    if bad:
-        raise DataError(f"artifacts: characters {bad!r} are outside the tiny tokenizer's charset "
-                        f"(they would become <unk>); pass check_charset=False for another tokenizer")

@@ -236,3 +236,13 @@ def split_sentences(text: str) -> list[str]:
     if start < len(text):
         spans.append(text[start:])
     return spans
+
+
+def check_charset(text: str, task: str) -> None:
+    """DataError when `text` has characters outside the tiny tokenizer's alphabet (they would become <unk>)."""
+    from models.tokenizer import CHARSET  # the tiny tokenizer's alphabet is the source of truth
+
+    bad = sorted(set(text) - set(CHARSET))
+    if bad:
+        raise DataError(f"{task}: characters {bad!r} are outside the tiny tokenizer's charset "
+                        f"(they would become <unk>); pass check_charset=False for another tokenizer")
