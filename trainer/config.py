@@ -63,8 +63,8 @@ class DataConfig:
     steps: int = 2
     ops: list[str] = field(default_factory=lambda: ["+", "-"])
     # artifacts knobs (name=artifacts; tasks/artifacts.py)
-    n_artifacts: int = 4  # tables in a select / combine context
-    artifact_rows: int = 3  # key=value rows per table
+    n_artifacts: int = 3  # tables in a select / combine context
+    artifact_rows: int = 2  # key=value rows per table
     n_library: int = 8000  # tables of the training library (train and in-domain test draw from it)
     n_library_ood: int = 500  # tables of the held-out library (the test_ood split only)
     kinds: dict[str, float] = field(default_factory=lambda: {"single": 1.0, "select": 1.0, "combine": 1.0})

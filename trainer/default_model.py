@@ -34,9 +34,9 @@ WARM_DATA = {"seed": 0, "n_train": 20000, "n_test": 200, "digits": 2, "steps": 2
 # The artifacts warm-up: the default data=artifacts except the train mix (the same seed, libraries and
 # n_test, so its test and ood problems are never trained on: the test splits do not depend on `kinds`),
 # weighted to single, whose short contexts are where the tiny model first learns to look values up.
-WARM_DATA_ARTIFACTS = {"seed": 0, "n_train": 40000, "n_test": 200, "n_artifacts": 4, "artifact_rows": 3,
+WARM_DATA_ARTIFACTS = {"seed": 0, "n_train": 40000, "n_test": 200, "n_artifacts": 3, "artifact_rows": 2,
                        "n_library": 8000, "n_library_ood": 500,
-                       "kinds": {"single": 3.0, "select": 1.0, "combine": 1.0}, "artifact_prefix": ""}
+                       "kinds": {"single": 2.0, "select": 3.0, "combine": 1.0}, "artifact_prefix": ""}
 WARM_TASK_DATA = {"arith": WARM_DATA, "artifacts": WARM_DATA_ARTIFACTS}
 WARM_START_TASKS = ("auto",) + tuple(WARM_TASK_DATA)
 # Recipe numbers per warm-start task, taken by the model.warm_start_* keys left null (configs/model/tiny.yaml).
@@ -44,7 +44,7 @@ WARM_START_TASKS = ("auto",) + tuple(WARM_TASK_DATA)
 # rows: full prefill of prompt + solution), numbers measured as in docs/artifacts.md.
 WARM_NUMBERS = {
     "arith": {"steps": 300, "lr": 3e-3, "batch_size": 64, "reference_fraction": 0.5},
-    "artifacts": {"steps": 1200, "lr": 3e-3, "batch_size": 32, "reference_fraction": 0.0},
+    "artifacts": {"steps": 3000, "lr": 3e-3, "batch_size": 32, "reference_fraction": 0.0},
 }
 _NUMBER_KEYS = {"steps": "warm_start_steps", "lr": "warm_start_lr", "batch_size": "warm_start_batch_size",
                 "reference_fraction": "warm_start_reference_fraction"}
