@@ -33,7 +33,8 @@ METRICS = "warm_start_metrics.jsonl"
 WARM_DATA = {"seed": 0, "n_train": 20000, "n_test": 200, "digits": 2, "steps": 2, "ops": ["+", "-"]}
 # The artifacts warm-up: the default data=artifacts except the train mix (the same seed, libraries and
 # n_test, so its test and ood problems are never trained on: the test splits do not depend on `kinds`),
-# weighted to single, whose short contexts are where the tiny model first learns to look values up.
+# weighted to select (3 tables of 2 rows: with 4 of 3 the tiny model did not learn to select in the
+# time; docs/artifacts.md has the probes).
 WARM_DATA_ARTIFACTS = {"seed": 0, "n_train": 40000, "n_test": 200, "n_artifacts": 3, "artifact_rows": 2,
                        "n_library": 8000, "n_library_ood": 500,
                        "kinds": {"single": 2.0, "select": 3.0, "combine": 1.0}, "artifact_prefix": ""}
