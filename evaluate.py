@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
     world = World()
     ensure(cfg.model, world)  # the default model, when no model.path is given
     model, tokenizer = _load(cfg.model, world, load_model)
-    task = build_task_from(cfg.data)
+    task = build_task_from(cfg.data, cfg.model)
     examples = list(task.test_examples())[: cfg.trainer.eval_examples]
     stats = _skip_stats(model)
     result = evaluate(model.eval(), tokenizer, task, examples, world, cfg.trainer.eval_max_new_tokens)

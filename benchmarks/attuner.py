@@ -9,6 +9,13 @@ by full-prefill SFT, served greedily over held-out `artifacts` questions in each
 several; combine: two of several) and split (in-domain tables; held-out tables never in training).
 Reported per cell: accuracy mean +- std over `--seeds` Attuner training seeds (the other modes are
 deterministic: one value), and the share of the full-vs-PIC gap Attuner recovers on select.
+Beside accuracy, the distribution gap, which does not need a model that solves the task: the mean
+next-token KL(full prefill || student over the cache) in nats per token, and top-1 agreement, over
+the held-out worked solutions (teacher-forced; Attuner's own objective), for naive PIC and each
+Attuner seed, and the share of naive PIC's KL that Attuner removes ("KL closed", where PIC's KL is
+at least KL_FLOOR). `--config` swaps the base model and task for every part, e.g. a pretrained
+model: `--config model=hf model.path=DIR data.n_artifacts=4 data.artifact_rows=3` (its Attuner runs
+take `--extra trainer.lr=...`).
 
 Time to first token (`--skip-ttft`): one request of N artifacts (2, 4, 8, 16; `--artifact-tokens`
 tokens each, random ids) + a `--query-tokens` query, on the tiny shape and a wider one (`--wide`),
@@ -98,25 +105,28 @@ ACCURACY_MODES = ("full", "pic", "cacheblend", "epic", "ape", "full_scores")
 KINDS = ("single", "select", "combine")
 SPLITS = ("test", "test_ood")
 DEFAULT_WORKDIR = os.path.expanduser("~/.cache/posttrain/bench-attuner")
+KL_FLOOR = 1e-3  # nats/token: a naive-PIC KL below this is no gap to close (the "KL closed" row shows "-")
 
 
-def base_model():
-    """The embedded tiny model warm-started on data=artifacts (built once, cached), its tokenizer and task."""
+def base_model(overrides=()):
+    """The model of `+algo=attuner data=artifacts` with `overrides` (default: the embedded tiny model
+    warm-started on data=artifacts, built once and cached), its tokenizer and task."""
     from algorithms import config_schemas
     from trainer.config import load_config
     from trainer.distributed import World
     from trainer.setup import build_task_from, load_model
     from trainer.warm_start import ensure
 
-    cfg = load_config(["+algo=attuner", "data=artifacts", "logging.wandb=false"], config_schemas())
+    cfg = load_config(["+algo=attuner", "data=artifacts", "logging.wandb=false", *overrides], config_schemas())
     ensure(cfg.model, World())
     model, tok = load_model(cfg.model, World())
-    return model.eval(), tok, build_task_from(cfg.data)
+    return model.eval(), tok, build_task_from(cfg.data, cfg.model)
 
 
 def train(args, seed: int) -> str:
     """final/ of a `+algo=attuner` run with adapter seed and data order `seed` (cached in --workdir)."""
-    name = f"attuner-s{seed}-n{args.steps}" + ("-" + "-".join(args.extra) if args.extra else "")
+    extra = [*args.config, *args.extra]
+    name = f"attuner-s{seed}-n{args.steps}" + ("-" + "-".join(extra) if extra else "")
     out = os.path.join(args.workdir, "".join(c if c.isalnum() or c in "-." else "_" for c in name))
     final = os.path.join(out, "final")
     if not os.path.exists(os.path.join(final, "attuner.json")):
@@ -125,7 +135,7 @@ def train(args, seed: int) -> str:
         cmd = [sys.executable, os.path.join(ROOT, "train.py"), "+algo=attuner", "data=artifacts", f"seed={seed}",
                f"algo.seed={seed}", f"trainer.max_steps={args.steps}", f"trainer.eval_every={args.steps}",
                f"trainer.save_every={args.steps}", "trainer.eval_examples=50", "trainer.resume=never",
-               "logging.wandb=false", "logging.progress=false", f"output_dir={out}", *args.extra]
+               "logging.wandb=false", "logging.progress=false", f"output_dir={out}", *extra]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.train_threads), WANDB_MODE="disabled")
         started = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -147,19 +157,25 @@ def accuracy(server, tok, task, examples, max_new_tokens: int = 48) -> float:
 def measure_accuracy(args) -> dict:
     from inference.pic import PICServer, load_query_adapter
 
-    model, tok, task = base_model()
+    model, tok, task = base_model(args.config)
     sets = {(split, kind): task.examples_of(split, kind)[: args.eval_examples] for split in SPLITS for kind in KINDS}
     table: dict = {}
-    for mode in ACCURACY_MODES:
+    for mode in args.modes:
         server = PICServer(model, tok, PICConfig(mode=mode), adapter={})
         table[mode] = {f"{kind}/{split}": accuracy(server, tok, task, ex) for (split, kind), ex in sets.items()}
         print(f"{mode:>12}: " + "  ".join(f"{k} {v:.3f}" for k, v in table[mode].items()), flush=True)
-    runs = []
+    runs, adapters = [], []
     for seed in range(args.seeds):
-        deltas = load_query_adapter(model, train(args, seed))
+        adapters.append(train(args, seed))
+        deltas = load_query_adapter(model, adapters[-1])
         server = PICServer(model, tok, PICConfig(mode="pic"), adapter=deltas)
         runs.append({f"{kind}/{split}": accuracy(server, tok, task, ex) for (split, kind), ex in sets.items()})
         print(f"  attuner s{seed}: " + "  ".join(f"{k} {v:.3f}" for k, v in runs[-1].items()), flush=True)
+    dist = measure_gap(args, model, tok, task, {f"{kind}/{split}": ex for (split, kind), ex in sets.items()}, adapters)
+    att = [row for name, row in dist.items() if name.startswith("attuner")]
+    # share of naive PIC's KL that Attuner removes; only where there is a gap to close (>= KL_FLOOR)
+    kl_closed = {c: 1 - statistics.mean(r[c][0] for r in att) / dist["pic"][c][0]
+                 if dist["pic"][c][0] >= KL_FLOOR else None for c in dist["pic"]} if att else {}
     cells = list(runs[0]) if runs else []
     table["attuner"] = {c: statistics.mean(r[c] for r in runs) for c in cells}
     table["attuner_std"] = {c: statistics.pstdev([r[c] for r in runs]) if len(runs) > 1 else 0.0 for c in cells}
@@ -168,7 +184,47 @@ def measure_accuracy(args) -> dict:
         gap = table["full"][c] - table["pic"][c]
         recovered[c] = (table["attuner"][c] - table["pic"][c]) / gap if gap > 0 else None
     return {"n_per_cell": args.eval_examples, "steps": args.steps, "seeds": args.seeds, "table": table,
-            "attuner_runs": runs, "gap_recovered": recovered}
+            "attuner_runs": runs, "gap_recovered": recovered, "distribution_gap": dist, "kl_gap_closed": kl_closed}
+
+
+@torch.no_grad()
+def distribution_gap(model, tok, task, examples, batch: int = 16) -> tuple[float, float]:
+    """(mean next-token KL(full prefill || student over the PIC cache) in nats per token, top-1
+    agreement) over the worked solutions of `examples`: Attuner's own objective, teacher-forced,
+    measured on held-out rows. `model` is the student (the plain base = naive PIC, or a PeftModel
+    with a trained q_proj adapter); the teacher is the same model with its adapter off."""
+    from algorithms.attuner import Attuner, AttunerConfig
+    from algorithms.base import RolloutContext
+
+    algo = Attuner(AttunerConfig())
+    ctx = RolloutContext(task, tok, torch.Generator().manual_seed(0), torch.device("cpu"), max_new_tokens=0,
+                         policy_fn=lambda: model)
+    kl = agree = tokens = 0.0
+    for start in range(0, len(examples), batch):
+        micro = algo.make_batch(examples[start : start + batch], ctx)
+        out = algo.loss(model, micro, torch.tensor(1.0))
+        n = float(micro.loss_mask.sum())
+        kl += float(out.metrics["attuner/kl"]) * n
+        agree += float(out.metrics["attuner/student_top1_agree"]) * n
+        tokens += n
+    return kl / tokens, agree / tokens
+
+
+def measure_gap(args, model, tok, task, sets, adapters) -> dict:
+    """The distribution gap per cell for naive PIC and each Attuner seed (see distribution_gap)."""
+    from peft import PeftModel
+
+    out = {"pic": {c: distribution_gap(model, tok, task, ex) for c, ex in sets.items()}}
+    print("  kl pic: " + "  ".join(f"{c} {v[0]:.4f}/{v[1]:.3f}" for c, v in out["pic"].items()), flush=True)
+    for seed, path in enumerate(adapters):
+        student = PeftModel.from_pretrained(model, path).eval()
+        try:
+            out[f"attuner_s{seed}"] = {c: distribution_gap(student, tok, task, ex) for c, ex in sets.items()}
+        finally:
+            student.unload()
+        print(f"  kl attuner s{seed}: " + "  ".join(f"{c} {v[0]:.4f}/{v[1]:.3f}"
+                                                 for c, v in out[f"attuner_s{seed}"].items()), flush=True)
+    return out
 
 
 def print_accuracy(res: dict) -> None:
@@ -176,7 +232,7 @@ def print_accuracy(res: dict) -> None:
     print(f"\n== held-out accuracy, n={res['n_per_cell']} per cell (attuner: mean +- std of {res['seeds']} seeds, "
           f"{res['steps']} steps) ==")
     print(f"{'mode':>12} " + " ".join(f"{c:>15}" for c in cells))
-    for mode in ACCURACY_MODES + ("attuner",):
+    for mode in [m for m in res["table"] if m != "attuner_std"]:
         row = res["table"].get(mode)
         if not row:
             continue
@@ -184,6 +240,15 @@ def print_accuracy(res: dict) -> None:
         print(f"{mode:>12} " + " ".join(f"{row[c]:>9.3f}" + (f" +-{std[c]:.2f}" if c in std else "      ") for c in cells))
     rec = res["gap_recovered"]
     print(f"{'gap closed':>12} " + " ".join(f"{rec[c]:>15.2f}" if rec.get(c) is not None else f"{'-':>15}" for c in cells))
+    gap = res["distribution_gap"]
+    print("\n== distribution gap to full prefill over the worked solutions: KL nats/token (top-1 agreement) ==")
+    print(f"{'student':>12} " + " ".join(f"{c:>15}" for c in cells))
+    for name, row in gap.items():
+        print(f"{name:>12} " + " ".join(f"{row[c][0]:>7.1e} ({row[c][1]:.3f})" for c in cells))
+    closed = res["kl_gap_closed"]
+    if closed:
+        print(f"{'KL closed':>12} " + " ".join(f"{closed[c]:>15.2f}" if closed[c] is not None else f"{'-':>15}"
+                                               for c in cells))
 
 
 # ----------------------------------------------------------------------------- main
@@ -204,7 +269,12 @@ def main() -> None:
     ap.add_argument("--eval-examples", type=int, default=100, help="held-out questions per kind and split")
     ap.add_argument("--workdir", default=DEFAULT_WORKDIR)
     ap.add_argument("--train-threads", type=int, default=2)
-    ap.add_argument("--extra", nargs="*", default=[], help="extra train.py overrides for the attuner runs")
+    ap.add_argument("--modes", nargs="+", default=list(ACCURACY_MODES), choices=ACCURACY_MODES,
+                    help="base prefill modes whose accuracy is measured")
+    ap.add_argument("--config", nargs="*", default=[],
+                    help="config overrides for the base model and task, and the attuner runs (e.g. a real model: "
+                         "model=hf model.path=DIR data.n_artifacts=4)")
+    ap.add_argument("--extra", nargs="*", default=[], help="extra train.py overrides for the attuner runs only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     report: dict = {"threads": args.threads}

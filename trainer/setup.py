@@ -37,17 +37,21 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_task_from(data: DataConfig):
+def build_task_from(data: DataConfig, model: ModelConfig | None = None):
+    """The configured task. The embedded tasks reject template characters outside the tiny tokenizer's
+    charset (they would become <unk>); that check applies only to the embedded tiny model (`model`
+    None or without a path), not to a pretrained model's tokenizer."""
+    tiny = model is None or model.path is None
     templates = {k: v for k, v in (("prompt_template", data.prompt_template),
                                    ("teacher_template", data.teacher_template)) if v is not None}
     if data.name == "arith":
         return build_task("arith", seed=data.seed, n_train=data.n_train, n_test=data.n_test, digits=data.digits,
-                          steps=data.steps, ops=tuple(data.ops), **templates)
+                          steps=data.steps, ops=tuple(data.ops), check_charset=tiny, **templates)
     if data.name == "artifacts":
         return build_task("artifacts", seed=data.seed, n_train=data.n_train, n_test=data.n_test,
                           n_artifacts=data.n_artifacts, rows=data.artifact_rows, n_library=data.n_library,
                           n_library_ood=data.n_library_ood, kinds=dict(data.kinds), prefix=data.artifact_prefix,
-                          **templates)
+                          check_charset=tiny, **templates)
     return build_task("text", path=data.path, test_path=data.test_path, train_split=data.train_split,
                       test_split=data.test_split, test_fraction=data.test_fraction, seed=data.seed,
                       question_field=data.question_field, solution_field=data.solution_field,
@@ -77,7 +81,7 @@ def load_model(m: ModelConfig, world: World):
 def build_session(cfg: TrainConfig, world: World, model=None, tokenizer=None, task=None) -> Session:
     """All ranks call this. Pass model/tokenizer/task to train something already in memory."""
     seed_everything(cfg.seed)
-    task = task if task is not None else build_task_from(cfg.data)
+    task = task if task is not None else build_task_from(cfg.data, cfg.model)
     if model is None:
         model, tokenizer = load_model(cfg.model, world)
     algo = build_algorithm(cfg.algo)

@@ -229,6 +229,25 @@ def test_build_task_and_the_data_config():
     assert isinstance(build_task("artifacts", **SMALL), ArtifactTask)
 
 
+@pytest.mark.slow  # imports trainer.setup (torch, transformers): seconds
+def test_the_charset_check_applies_to_the_tiny_tokenizer_only():
+    from trainer.config import DataConfig, ModelConfig
+    from trainer.setup import build_task_from
+
+    data = DataConfig(name="artifacts", n_train=10, n_test=2, n_artifacts=2, artifact_rows=2, n_library=20,
+                      n_library_ood=10, artifact_prefix="Each Table:\n")
+    with pytest.raises(DataError, match=r"\['E', 'T'\] are outside the tiny tokenizer's charset"):
+        build_task_from(data)  # the embedded tiny model: upper case would become <unk>
+    with pytest.raises(DataError, match="outside the tiny tokenizer's charset"):
+        build_task_from(data, ModelConfig())
+    t = build_task_from(data, ModelConfig(name="hf", path="/some/pretrained"))  # its own tokenizer
+    assert t.prompt(t.examples_of("test", "single")[0]).startswith("Each Table:\n[")
+    arith = DataConfig(name="arith", n_train=10, n_test=2, prompt_template="Q: {question}\nA: ")
+    with pytest.raises(DataError, match="outside the tiny tokenizer's charset"):
+        build_task_from(arith)
+    assert build_task_from(arith, ModelConfig(name="hf", path="/p")).prompt_template.startswith("Q: ")
+
+
 # ---------------------------------------------------------------------------------------------
 # User data: a row's artifacts list (TextTask)
 
