@@ -276,6 +276,8 @@ def main() -> None:
                          "model=hf model.path=DIR data.n_artifacts=4)")
     ap.add_argument("--extra", nargs="*", default=[], help="extra train.py overrides for the attuner runs only")
     args = ap.parse_args()
+    if not {"full", "pic"} <= set(args.modes):
+        ap.error(f"--modes must include full and pic (the reference and the baseline), got {' '.join(args.modes)}")
     torch.set_num_threads(args.threads)
     report: dict = {"threads": args.threads}
     if not args.skip_accuracy:
