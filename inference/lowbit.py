@@ -94,8 +94,15 @@ class LowBitWeights:
 
 def _int_mm(a: Tensor, b: Tensor) -> Tensor:
     """torch._int_mm(a int8 (m, k), b int8 (k, n)) -> int32 (m, n). On CUDA, zero-pads to the
-    shapes cuBLAS accepts (zero rows/columns add nothing; the padding is sliced off)."""
+    shapes cuBLAS accepts (zero rows/columns add nothing; the padding is sliced off). On CPU,
+    operands in neither row- nor column-major layout (a broadcast, stride 0) are copied first: the
+    VNNI kernel of torch 2.13 returns garbage for them (an expanded row, measured on an AVX-512 VNNI
+    EPYC; the AVX2 path was right)."""
     if not a.is_cuda:
+        if not (a.is_contiguous() or a.t().is_contiguous()):
+            a = a.contiguous()
+        if not (b.is_contiguous() or b.t().is_contiguous()):
+            b = b.t().contiguous().t()
         return torch._int_mm(a, b)
     (m, k), n = a.shape, b.shape[1]
     mp = max(m, _CUDA_MIN_ROWS)

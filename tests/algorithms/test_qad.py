@@ -190,9 +190,21 @@ def test_every_trainable_parameter_changes_in_two_steps(schedule, start):
     assert not unchanged, unchanged
 
 
+@pytest.fixture
+def float64():
+    """Models built in float64: the hidden-state losses subtract nearly equal states, so in fp32 the
+    matmul kernels' shape-dependent rounding (6 rows vs 2) shows in the gradients at ~4e-3 relative
+    on an AVX-512 CPU; in float64 what is left is the accumulation itself."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
 @pytest.mark.parametrize("start", [0, 2, 4])  # hidden (1-block), hidden (2-block), KL
-def test_gradient_accumulation_invariance(start):
+def test_gradient_accumulation_invariance(start, float64):
     algo, model, tok, task = setup()
+    assert next(model.parameters()).dtype == torch.float64
     algo.steps_done = start
     batch = algo.make_batch(task.train_examples()[:6], ctx(model, tok, task))
 
@@ -206,7 +218,8 @@ def test_gradient_accumulation_invariance(start):
     whole, split = grads(6), grads(2)
     assert whole.keys() == split.keys() and whole
     for n in whole:
-        assert torch.allclose(whole[n], split[n], atol=1e-6, rtol=1e-4), n
+        # float64 measures ~3e-7 of the largest gradient entry here; fp32 rounding gave up to 4e-3
+        assert (whole[n] - split[n]).abs().max() <= 1e-5 * whole[n].abs().max(), n
 
 
 def test_block_errors_are_logged_and_the_step_counter_is_checkpointed():
