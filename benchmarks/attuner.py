@@ -188,21 +188,30 @@ def measure_accuracy(args) -> dict:
 
 
 @torch.no_grad()
-def distribution_gap(model, tok, task, examples, batch: int = 16) -> tuple[float, float]:
-    """(mean next-token KL(full prefill || student over the PIC cache) in nats per token, top-1
-    agreement) over the worked solutions of `examples`: Attuner's own objective, teacher-forced,
-    measured on held-out rows. `model` is the student (the plain base = naive PIC, or a PeftModel
-    with a trained q_proj adapter); the teacher is the same model with its adapter off."""
+def gap_batches(model, tok, task, examples, batch: int = 16) -> list:
+    """Attuner batches of `examples` (worked solutions as targets) with the frozen base's full-prefill
+    teacher states filled in: made once per cell and read by every student."""
     from algorithms.attuner import Attuner, AttunerConfig
     from algorithms.base import RolloutContext
 
     algo = Attuner(AttunerConfig())
     ctx = RolloutContext(task, tok, torch.Generator().manual_seed(0), torch.device("cpu"), max_new_tokens=0,
                          policy_fn=lambda: model)
+    return [algo.make_batch(examples[start : start + batch], ctx) for start in range(0, len(examples), batch)]
+
+
+@torch.no_grad()
+def distribution_gap(student, batches) -> tuple[float, float]:
+    """(mean next-token KL(full prefill || student over the PIC cache) in nats per token, top-1
+    agreement) over the target tokens of `batches` (gap_batches): Attuner's own objective,
+    teacher-forced, on held-out rows. `student` is the plain base (= naive PIC) or a PeftModel with
+    a trained q_proj adapter; the cache is always encoded by the base."""
+    from algorithms.attuner import Attuner, AttunerConfig
+
+    algo = Attuner(AttunerConfig())
     kl = agree = tokens = 0.0
-    for start in range(0, len(examples), batch):
-        micro = algo.make_batch(examples[start : start + batch], ctx)
-        out = algo.loss(model, micro, torch.tensor(1.0))
+    for micro in batches:
+        out = algo.loss(student, micro, torch.tensor(1.0))
         n = float(micro.loss_mask.sum())
         kl += float(out.metrics["attuner/kl"]) * n
         agree += float(out.metrics["attuner/student_top1_agree"]) * n
@@ -214,12 +223,13 @@ def measure_gap(args, model, tok, task, sets, adapters) -> dict:
     """The distribution gap per cell for naive PIC and each Attuner seed (see distribution_gap)."""
     from peft import PeftModel
 
-    out = {"pic": {c: distribution_gap(model, tok, task, ex) for c, ex in sets.items()}}
+    batches = {c: gap_batches(model, tok, task, ex) for c, ex in sets.items()}
+    out = {"pic": {c: distribution_gap(model, b) for c, b in batches.items()}}
     print("  kl pic: " + "  ".join(f"{c} {v[0]:.4f}/{v[1]:.3f}" for c, v in out["pic"].items()), flush=True)
     for seed, path in enumerate(adapters):
         student = PeftModel.from_pretrained(model, path).eval()
         try:
-            out[f"attuner_s{seed}"] = {c: distribution_gap(student, tok, task, ex) for c, ex in sets.items()}
+            out[f"attuner_s{seed}"] = {c: distribution_gap(student, b) for c, b in batches.items()}
         finally:
             student.unload()
         print(f"  kl attuner s{seed}: " + "  ".join(f"{c} {v[0]:.4f}/{v[1]:.3f}"

@@ -99,20 +99,19 @@ def _int_mm(a: Tensor, b: Tensor) -> Tensor:
     VNNI kernel of torch 2.13 returns garbage for them (an expanded row, measured on an AVX-512 VNNI
     EPYC; the AVX2 path was right)."""
     if not a.is_cuda:
-        if not (a.is_contiguous() or a.t().is_contiguous()):
-            a = a.contiguous()
-        if not (b.is_contiguous() or b.t().is_contiguous()):
-            b = b.t().contiguous().t()
-        return torch._int_mm(a, b)
+        return torch._int_mm(_one_layout(a), _one_layout(b))
     (m, k), n = a.shape, b.shape[1]
     mp = max(m, _CUDA_MIN_ROWS)
     kp, np_ = (-(-size // _CUDA_MULTIPLE) * _CUDA_MULTIPLE for size in (k, n))
     if (mp, kp, np_) != (m, k, n):
         a = F.pad(a, (0, kp - k, 0, mp - m))
         b = F.pad(b, (0, np_ - n, 0, kp - k))
-    if not (b.is_contiguous() or b.t().is_contiguous()):  # a group's column slice: give it one layout
-        b = b.t().contiguous().t()
-    return torch._int_mm(a.contiguous(), b)[:m, :n]
+    return torch._int_mm(a.contiguous(), _one_layout(b))[:m, :n]  # b: e.g. a group's column slice
+
+
+def _one_layout(t: Tensor) -> Tensor:
+    """`t` if it is row- or column-major, else a column-major copy (a slice or a broadcast)."""
+    return t if t.is_contiguous() or t.t().is_contiguous() else t.t().contiguous().t()
 
 
 def int_matmul(a: Tensor, q: Tensor) -> Tensor:
