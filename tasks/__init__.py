@@ -5,12 +5,15 @@ tasks; tasks import nothing of theirs (only `models.tokenizer` for the embedded 
     task = build_task("arith", seed=0, digits=3, steps=2)          # the embedded task
     task = build_task("text", path="data/train.jsonl", test_fraction=0.1)
     task = build_task("artifacts", seed=0, n_artifacts=4)               # table lookups (single/select/combine)
+    task = build_task("clm", seed=0, budget=200)                 # context-management episodes (ContextEnv)
     result = task.verify(example, completion)                    # VerifyResult; score(result, mode)
 
 Modules: `base` (Example, VerifyResult, score, extract_answer, answers_equal, mask_spans),
 `arith` (ArithTask and its worked-solution format), `artifacts` (ArtifactTask: lookups in named
-tables, each a separate prompt artifact), `text` (TextTask: JSONL / Parquet / CSV / saved datasets /
-hub; rows may carry an `artifacts` list). No Hydra here: tasks take plain keyword arguments.
+tables, each a separate prompt artifact), `clm` (ClmTask, ContextEnv, Episode: episodes in which the
+model keeps its own context file within a token budget; the file format is `context_file`), `text`
+(TextTask: JSONL / Parquet / CSV / saved datasets / hub; rows may carry an `artifacts` list). No
+Hydra here: tasks take plain keyword arguments.
 Run the tests with `python -m pytest tests/tasks -q`.
 """
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Any, Callable
 
 from tasks.arith import ArithTask
 from tasks.artifacts import ArtifactTask, kind_of
+from tasks.clm import ClmTask, ContextEnv, Episode, EpisodeError, scripted_output
+from tasks.context_file import TINY_FORMAT, Action, ContextFile, ContextFormat, Turn, parse_action
 from tasks.base import (
     DataError,
     Example,
@@ -34,7 +39,8 @@ from tasks.base import (
 )
 from tasks.text import TextTask
 
-TASKS: dict[str, Callable[..., Task]] = {"arith": ArithTask, "artifacts": ArtifactTask, "text": TextTask}
+TASKS: dict[str, Callable[..., Task]] = {"arith": ArithTask, "artifacts": ArtifactTask, "clm": ClmTask,
+                                         "text": TextTask}
 # Named user datasets: a preset is TextTask keyword arguments the caller may override.
 PRESETS: dict[str, dict[str, Any]] = {
     "gsm8k": dict(path="openai/gsm8k", hub_config="main", solution_field="answer", answer_field=None,
@@ -43,7 +49,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def build_task(name: str, **kwargs: Any) -> Task:
-    """A task by name: "arith", "artifacts", "text" (kwargs give `path`, ...), a preset, or an existing local path."""
+    """A task by name: "arith", "artifacts", "clm", "text" (kwargs give `path`, ...), a preset, or an existing local path."""
     if name in TASKS:
         return TASKS[name](**kwargs)
     if name in PRESETS:
@@ -54,6 +60,8 @@ def build_task(name: str, **kwargs: Any) -> Task:
 
 
 __all__ = [
-    "ArithTask", "ArtifactTask", "DataError", "Example", "HasArtifacts", "Segments", "PRESETS", "TASKS", "Task",
-    "TextTask", "VerifyResult", "answers_equal", "build_task", "extract_answer", "kind_of", "mask_spans", "score",
+    "Action", "ArithTask", "ArtifactTask", "ClmTask", "ContextEnv", "ContextFile", "ContextFormat", "DataError",
+    "Episode", "EpisodeError", "Example", "HasArtifacts", "Segments", "PRESETS", "TASKS", "Task",
+    "TINY_FORMAT", "TextTask", "Turn", "VerifyResult", "answers_equal", "build_task", "extract_answer", "kind_of",
+    "mask_spans", "parse_action", "score", "scripted_output",
 ]
