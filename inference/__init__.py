@@ -6,9 +6,14 @@ serving. It imports nothing from the rest of the repo except `models/`, and neve
     from inference import Engine, EngineConfig, SamplingParams
     completions = Engine(model).generate(prompt_ids, SamplingParams(temperature=0.0))
 
+    from inference import ReuseConfig, SessionEngine      # multi-turn sessions reusing their K/V
+    completions = SessionEngine(model, ReuseConfig(mode="suffix")).generate(prompt_ids, params, sessions=ids)
+
 Modules: engine (the one decoding loop, its preamble and the Engine), rollout (output buffers and
 the stop rule), lean (our decoder forward, KV cache), hf_backend (HF-forward fallback), sampling,
-speculative (a decoding mode of the loop), artifacts (files the trainer exports for the runtime).
+speculative (a decoding mode of the loop), suffix (suffix cache reuse: each session's previous K/V
+reused for its next prompt, in place for the common prefix, relocated for moved text), artifacts
+(files the trainer exports for the runtime).
 """
 from __future__ import annotations
 
@@ -18,7 +23,8 @@ from typing import Any
 # Loaded on first use: `inference.artifacts` (file names and defaults, read by the trainer's config
 # and export code) must not pull in the engine and transformers with it.
 _LAZY = {"Completion": "inference.engine", "Engine": "inference.engine", "EngineConfig": "inference.engine",
-         "SamplingParams": "inference.sampling"}
+         "SamplingParams": "inference.sampling", "ReuseConfig": "inference.suffix",
+         "SessionEngine": "inference.suffix"}
 
 __all__ = sorted(_LAZY)
 

@@ -32,7 +32,8 @@ into without touching the layer math:
   cache         `KVCache` owns the K/V buffer and the key mask; the forward writes through
                 `KVCache.write(layer, start, k, v)` and reads through `KVCache.read`, so K/V known
                 from elsewhere (e.g. a shared prefix) can be written into slots before a prefill
-                that runs only the new tokens.
+                that runs only the new tokens; `sparse_prefill` runs tokens at arbitrary slots
+                over such K/V (the artifact cache, suffix reuse).
 """
 from __future__ import annotations
 
@@ -544,6 +545,43 @@ def forward(weights: Weights, dims: Dims, blocks: Blocks, rope: Rope, ids, posit
     x = run_layers(x, range(len(weights.layers)), weights, dims, blocks, rows, cache, slot, mask, route)
     last = rms_norm(x[:, -1], weights.final_norm, dims.eps)  # (n, C)
     return weights.lm_head(last)  # (n, V)
+
+
+def sparse_prefill(x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, backend: "LeanBackend", layers,
+                   base: Weights, query: Weights, rope: Rope, dims: Dims, context_end: int) -> torch.Tensor:
+    """Tokens at arbitrary cache slots through `layers`, over K/V that other slots already hold.
+
+    At each layer the tokens' K/V are written into their own slots first; then each token attends
+    to every slot at or before its own that the key mask allows: computed K/V where this call
+    wrote them, whatever the cache held elsewhere (K/V copied in from a store, relocated ones).
+    Tokens at slots >= context_end take the q projection of `query` (an adapter's), the others
+    that of `base`; K/V and everything after attention always come from `base`. A slot listed
+    twice in a row computes and writes the same thing twice (callers left-fill rows that way).
+
+    x: (B, R, C) hidden states; slots, positions: (B, R), slots ascending per row. -> (B, R, C).
+    """
+    cache = backend.cache
+    B, R = slots.shape
+    S = int(slots.max()) + 1
+    keys_at = torch.arange(S, device=slots.device)  # (S,)
+    causal = keys_at[None, None, :] <= slots[:, :, None]  # (B, R, S)
+    own = keys_at[None, None, :] == slots[:, :, None]  # a query always sees itself: no empty softmax row
+    mask = ((causal & cache.key_ok[:, 0, :, :S]) | own)[:, None]  # (B, 1, R, S)
+    adapted = slots >= context_end  # (B, R)
+    batch_rows = torch.arange(B, device=slots.device)[:, None].expand(B, R)  # (B, R)
+    cos_sin = rope_at(rope, positions, x.dtype)
+    for layer in layers:
+        wb, wq = base.layers[layer], query.layers[layer]
+        q, k, v = attention_inputs(x, wb, dims, *cos_sin)  # (B, R, H, D), (B, R, H_kv, D) x 2
+        if wq is not wb and bool(adapted.any()):
+            q_query, _, _ = attention_inputs(x, wq, dims, *cos_sin)
+            q = torch.where(adapted[:, :, None, None], q_query, q)
+        kv = cache.kv[layer]  # (2, B, H_kv, T_max, D)
+        kv[KEY, batch_rows, :, slots] = k  # advanced indexing: (B, R, H_kv, D)
+        kv[VALUE, batch_rows, :, slots] = v
+        keys, values = cache.read(layer, S)  # (B, H_kv, S, D) each
+        x = attention_output_and_mlp(x, _attend(q, keys, values, mask, dims), wb, dims)  # (B, R, C)
+    return x
 
 
 # ----------------------------------------------------------------------------- per-call state

@@ -29,7 +29,7 @@ Modes (`PICConfig.mode`; all in this one engine, so their comparison is like for
               decode step); at each layer the new tokens' attention weights are the twin's, applied
               to the PIC run's own values. Quality recovered here is lost in attention, not in K/V.
 A recomputed token attends to the K/V in the cache at its own layer: the recomputed ones of the
-tokens recomputed with it, the cached ones of the others (`_sparse_prefill`).
+tokens recomputed with it, the cached ones of the others (`lean.sparse_prefill`).
 
 Query-side adapters (Attuner): `adapter` maps layer -> delta of the q_proj weight (out, in). The
 artifact cache is always encoded with the base weights; the adapted q projection runs only for the
@@ -64,7 +64,7 @@ from torch import Tensor, nn
 from inference.engine import PaddedPrompts, check_prompts, eval_mode, token_budget, token_loop
 from inference.lean import (
     EAGER, KEY, VALUE, LayerWeights, LeanBackend, Projection, Weights, _attend,
-    read_dims, rope_at, rope_tables,
+    read_dims, rope_at, rope_tables, sparse_prefill,
 )
 from inference.relocate import RopeLayout, relocate_keys, rope_layout
 from inference.rollout import Completion
@@ -682,7 +682,7 @@ class _PICStrategy:
         if x is None:
             x = self.backend.embed(batch.ids.gather(1, slots))
         pos = batch.positions.gather(1, slots)
-        x = _sparse_prefill(x, slots, pos, self.backend, layers, self.base, self.backend.weights, self.rope,
+        x = sparse_prefill(x, slots, pos, self.backend, layers, self.base, self.backend.weights, self.rope,
                             self.dims, self.C)
         return x, slots
 
@@ -769,43 +769,6 @@ def _inputs(x: Tensor, w: LayerWeights, dims, rope, positions: Tensor):
     from inference.lean import attention_inputs
 
     return attention_inputs(x, w, dims, *rope_at(rope, positions, x.dtype))
-
-
-def _sparse_prefill(x: Tensor, slots: Tensor, positions: Tensor, backend: LeanBackend, layers, base: Weights,
-                    query: Weights, rope, dims, context_end: int) -> Tensor:
-    """Tokens at arbitrary cache slots through `layers`: at each layer their K/V are written into
-    their slots first, then each attends to every slot at or before its own that the key mask
-    allows -- recomputed K/V where written, cached K/V elsewhere. Context tokens use the base
-    weights, query tokens (slots >= context_end) the query weights (an adapter's q projection).
-
-    x: (B, R, C) hidden; slots, positions: (B, R). Returns (B, R, C)."""
-    from inference.lean import attention_output_and_mlp
-
-    cache = backend.cache
-    B, R = slots.shape
-    S = int(slots.max()) + 1
-    key_slots = torch.arange(S, device=slots.device)
-    mask = (key_slots[None, None, :] <= slots[:, :, None]) & cache.key_ok[:, 0, :, :S]  # (B, R, S)
-    mask = mask | (key_slots[None, None, :] == slots[:, :, None])
-    mask = mask[:, None]  # (B, 1, R, S)
-    is_query = slots >= context_end  # (B, R)
-    rows = torch.arange(B, device=slots.device)[:, None].expand(B, R)
-    cos_sin = rope_at(rope, positions, x.dtype)
-    from inference.lean import attention_inputs
-
-    for layer in layers:
-        wb, wq = base.layers[layer], query.layers[layer]
-        q, k, v = attention_inputs(x, wb, dims, *cos_sin)
-        if wq is not wb and bool(is_query.any()):
-            q_adapted, _, _ = attention_inputs(x, wq, dims, *cos_sin)
-            q = torch.where(is_query[:, :, None, None], q_adapted, q)
-        kv = cache.kv[layer]  # (2, B, H_kv, T_max, D)
-        kv[KEY, rows, :, slots] = k  # advanced indexing: (B, R, H_kv, D)
-        kv[VALUE, rows, :, slots] = v
-        keys, values = cache.read(layer, S)
-        attn = _attend(q, keys, values, mask, dims)
-        x = attention_output_and_mlp(x, attn, wb, dims)
-    return x
 
 
 # ----------------------------------------------------------------------------- files and adapters
