@@ -3,6 +3,7 @@
 A test checks this registry matches configs/algo/*.yaml.
 """
 from algorithms.attuner import Attuner, AttunerConfig
+from algorithms.clm import CLM, CLMConfig
 from algorithms.grpo import GRPO, GRPOConfig
 from algorithms.mass import MASS, MASSConfig
 from algorithms.opsd import OPSD, OPSDConfig
@@ -23,6 +24,7 @@ REGISTRY: dict[str, tuple[type, type]] = {
     "qad": (QADConfig, QAD),
     "skipper": (SkipperConfig, Skipper),
     "attuner": (AttunerConfig, Attuner),
+    "clm": (CLMConfig, CLM),
 }
 
 

@@ -297,6 +297,7 @@ class Traits:
     needs_reference: bool = False  # the teacher prompt carries the reference solution
     prompt_sharing: bool = False  # samples groups of responses per prompt: trainer.prompt_sharing applies
     fsdp: bool = True  # runs under backend=fsdp
+    deepspeed: bool = True  # runs under backend=deepspeed (a fixed number of micro-batches per step)
     zero_steps: bool = False  # trainer.max_steps=0 is meaningful (evaluate and export without training)
 
 

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from algorithms import losses
+from algorithms.advantages import SCALES, group_advantages
 from algorithms.base import Batch, PolicyTerms, RolloutContext, StepOutput, TokenLogprobs, Traits
 from algorithms.rollouts import encode, rollout_batch, sample
 from algorithms.scoring import scatter_tokens, student_features
@@ -52,7 +53,6 @@ from models.lora import LoRAOptions, train_all_or_lora
 from tasks import score
 
 LOSS_TYPES = ("token-mean", "seq-mean-token-mean", "dr_grpo")
-SCALES = ("group", "batch", "none")
 REWARD_MODES = ("answer", "steps", "partial")
 
 
@@ -117,39 +117,7 @@ def load_reward_fn(spec: str) -> Callable[[Any, str], Optional[float]]:
     return fn
 
 
-# --- advantages ----------------------------------------------------------------------------------
-
-
-def group_advantages(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, eps: float = 1e-4,
-                     scale: str = "group", world: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages of (N,) rewards in consecutive groups of `group_size`, only `valid` samples counted.
-
-    Returns (A (N,), zero_std (N // G,) bool: groups that carry no learning signal). Invalid samples
-    and groups with < 2 valid samples get A = 0. `scale`: group -> divide by the group's unbiased std;
-    batch -> by the std of all valid rewards of the global batch (`world` all-reduces the sums);
-    none -> no division. With all-valid rewards and scale=group this is algorithms.losses.group_advantages.
-    Example: rewards [1, 0, 0, 1], G=4 -> mean .5, std .57735 -> A = +-0.5/0.57745 = +-0.8659.
-    """
-    r = rewards.double().view(-1, group_size)
-    v = valid.view(-1, group_size).double()
-    n = v.sum(1, keepdim=True)
-    mean = (r * v).sum(1, keepdim=True) / n.clamp(min=1)
-    centred = (r - mean) * v
-    var = (centred ** 2).sum(1, keepdim=True) / (n - 1).clamp(min=1)
-    zero_std = (var.squeeze(1) <= 0) | (n.squeeze(1) < 2)
-    if scale == "group":
-        centred = centred / (var.sqrt() + eps)
-    elif scale == "batch":
-        stats = torch.stack([(r * v).sum(), (r * r * v).sum(), v.sum()])
-        if world is not None:
-            stats = world.all_reduce_sum(stats)
-        total, squares, count = stats.tolist()
-        batch_var = (squares - total * total / max(count, 1.0)) / max(count - 1.0, 1.0)
-        centred = centred / (math.sqrt(max(batch_var, 0.0)) + eps)
-    elif scale != "none":
-        raise ValueError(f"unknown scale_rewards {scale!r}; expected one of {', '.join(SCALES)}")
-    centred = torch.where(n < 2, torch.zeros_like(centred), centred)
-    return centred.view(-1).float(), zero_std
+# --- KL to the reference --------------------------------------------------------------------------
 
 
 def k3_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:

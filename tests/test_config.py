@@ -13,7 +13,7 @@ from tests.conftest import ROOT, tiny_config
 
 BAD_INPUTS = [
     (["+algo=sft", "trainer.max_stepz=3"], "max_stepz"),
-    (["+algo=nope"], "unknown algorithm 'nope' (available: attuner, grpo, mass, opsd, qad, seed, sft, skipper, tesd)"),
+    (["+algo=nope"], "unknown algorithm 'nope' (available: attuner, clm, grpo, mass, opsd, qad, seed, sft, skipper, tesd)"),
     (["trainer.max_steps=3"], "no algorithm selected"),
     (["+algo=sft", "trainer.max_steps=abc"], "trainer.max_steps=abc"),
     (["+algo=sft", "trainer.lr=-1"], "trainer.lr"),
@@ -201,5 +201,5 @@ def test_bad_warm_start_task_is_one_line():
     from algorithms import config_schemas
     from trainer.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"^model.warm_start_task=gsm8k is not one of auto, arith, artifacts$"):
+    with pytest.raises(ConfigError, match=r"^model.warm_start_task=gsm8k is not one of auto, arith, artifacts, clm$"):
         load_config(["+algo=sft", "model.warm_start_task=gsm8k"], config_schemas())

@@ -67,8 +67,13 @@ class DataConfig:
     artifact_rows: int = 2  # key=value rows per table
     n_library: int = 8000  # tables of the training library (train and in-domain test draw from it)
     n_library_ood: int = 500  # tables of the held-out library (the test_ood split only)
-    kinds: dict[str, float] = field(default_factory=lambda: {"single": 1.0, "select": 1.0, "combine": 1.0})
+    # the train mix of the task's kinds ({kind: weight}); {} = the task's own default mix
+    kinds: dict[str, float] = field(default_factory=dict)
     artifact_prefix: str = ""  # shared text before the artifacts ("" = none)
+    # clm knobs (name=clm; tasks/clm.py; `kinds` weighs its episode kinds, n_train / n_test count episodes)
+    view: str = "episodes"  # episodes (RL) | calls (the scripted policy's calls as SFT rows: the warm-up)
+    budget: int = 200  # context token budget of a synthetic episode
+    compact_at: Optional[float] = None  # the scripted policy rewrites above this share of the budget; None = the task's
     # user data (name=text)
     path: Optional[str] = None
     test_path: Optional[str] = None
@@ -246,10 +251,11 @@ def _describe(err: Exception) -> str:
 
 CHOICES = {
     "backend.name": ("auto", "single", "ddp", "fsdp", "deepspeed"),
-    "data.name": ("arith", "artifacts", "text"),
+    "data.name": ("arith", "artifacts", "clm", "text"),
+    "data.view": ("episodes", "calls"),
     "data.on_bad_row": ("error", "skip"),
     "model.dtype": ("float32", "bfloat16", "float16"),
-    "model.warm_start_task": ("auto", "arith", "artifacts"),
+    "model.warm_start_task": ("auto", "arith", "artifacts", "clm"),
 }
 
 
@@ -282,6 +288,9 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.backend.name == "fsdp" and not traits.fsdp:
         raise ConfigError(f"backend=fsdp: algo {cfg.algo.name} does not run under FSDP2 yet (use backend=ddp or "
                           "backend=deepspeed)")
+    if cfg.backend.name == "deepspeed" and not traits.deepspeed:
+        raise ConfigError(f"backend=deepspeed: algo {cfg.algo.name} makes a different number of training rows "
+                          "each step, and DeepSpeed fixes the micro-batches per step (use backend=ddp or backend=fsdp)")
     if cfg.backend.name == "deepspeed" and cfg.backend.zero_stage not in (1, 2, 3):
         raise ConfigError(f"backend.zero_stage={cfg.backend.zero_stage} must be 1, 2 or 3 for deepspeed")
     if t.resume not in ("auto", "never") and not os.path.isdir(os.path.expanduser(t.resume)):

@@ -38,7 +38,12 @@ WARM_DATA = {"seed": 0, "n_train": 20000, "n_test": 200, "digits": 2, "steps": 2
 WARM_DATA_ARTIFACTS = {"seed": 0, "n_train": 40000, "n_test": 200, "n_artifacts": 3, "artifact_rows": 2,
                        "n_library": 8000, "n_library_ood": 500,
                        "kinds": {"single": 2.0, "select": 3.0, "combine": 1.0}, "artifact_prefix": ""}
-WARM_TASK_DATA = {"arith": WARM_DATA, "artifacts": WARM_DATA_ARTIFACTS}
+# The clm warm-up: SFT on the scripted policy's calls (view "calls": every call of a scripted episode is
+# one prompt -> output row) over the default data=clm train episodes (same seed, so its test episodes
+# are never demonstrated).
+WARM_DATA_CLM = {"seed": 0, "n_train": 2000, "n_test": 100, "kinds": {"kv": 1.0, "chain": 1.0}, "budget": 200,
+                 "view": "calls"}
+WARM_TASK_DATA = {"arith": WARM_DATA, "artifacts": WARM_DATA_ARTIFACTS, "clm": WARM_DATA_CLM}
 WARM_START_TASKS = ("auto",) + tuple(WARM_TASK_DATA)
 # Recipe numbers per warm-start task, taken by the model.warm_start_* keys left null (configs/model/tiny.yaml).
 # arith: the original recipe (300 steps, ~5.5 min on 2 CPU cores). artifacts: plain SFT (no reference
@@ -46,6 +51,7 @@ WARM_START_TASKS = ("auto",) + tuple(WARM_TASK_DATA)
 WARM_NUMBERS = {
     "arith": {"steps": 300, "lr": 3e-3, "batch_size": 64, "reference_fraction": 0.5},
     "artifacts": {"steps": 3000, "lr": 3e-3, "batch_size": 32, "reference_fraction": 0.0},
+    "clm": {"steps": 2000, "lr": 3e-3, "batch_size": 32, "reference_fraction": 0.0},
 }
 _NUMBER_KEYS = {"steps": "warm_start_steps", "lr": "warm_start_lr", "batch_size": "warm_start_batch_size",
                 "reference_fraction": "warm_start_reference_fraction"}

@@ -50,8 +50,13 @@ def build_task_from(data: DataConfig, model: ModelConfig | None = None):
     if data.name == "artifacts":
         return build_task("artifacts", seed=data.seed, n_train=data.n_train, n_test=data.n_test,
                           n_artifacts=data.n_artifacts, rows=data.artifact_rows, n_library=data.n_library,
-                          n_library_ood=data.n_library_ood, kinds=dict(data.kinds), prefix=data.artifact_prefix,
+                          n_library_ood=data.n_library_ood, kinds=dict(data.kinds) or None, prefix=data.artifact_prefix,
                           check_charset=tiny, **templates)
+    if data.name == "clm":
+        extra = {} if data.compact_at is None else {"compact_at": data.compact_at}
+        return build_task("clm", seed=data.seed, n_train=data.n_train, n_test=data.n_test, kinds=dict(data.kinds) or None,
+                          budget=data.budget, view=data.view, path=data.path, test_path=data.test_path,
+                          check_charset=tiny, **extra)
     return build_task("text", path=data.path, test_path=data.test_path, train_split=data.train_split,
                       test_split=data.test_split, test_fraction=data.test_fraction, seed=data.seed,
                       question_field=data.question_field, solution_field=data.solution_field,

@@ -1,0 +1,284 @@
+"""CLM: task success and compute per episode, and serving the same trajectories with cache reuse.
+
+Policies, on the held-out episodes of data=clm (greedy; compute = prefill tokens forwarded with
+prefix caching + decoded tokens, per episode):
+  append-only  the oracle that never edits (right answers, `next` otherwise), under the budget and
+               with the budget lifted (what the context would cost without management);
+  scripted     the oracle that rewrites the file into one note past compact_at x budget;
+  warm start   the tiny model after SFT on the scripted calls (CLM before RL);
+  rl w_eff=W   the warm start after `--steps` CLM steps, per seed (`--seeds`), for each `--w-eff`.
+Serving, on the recorded trajectories of the scripted oracle and of the warm start: each episode's
+calls replayed (prompt + the output it produced) through the session engine with full re-prefill,
+prefix caching and suffix reuse (K = 1, 3, 6 spans), counting forwarded prefill tokens (all calls,
+and the calls right after a rewrite), wall time, and the next-token KL of each call against full
+re-prefill.
+
+    python benchmarks/clm.py                                  # warm start built once (cached), 3 seeds x 2 w_eff
+    python benchmarks/clm.py --steps 20 --seeds 0 --w-eff 0.25 --episodes 40
+    python benchmarks/clm.py --skip-rl                        # policies without RL + serving only
+
+Last line JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from algorithms.clm import play_episodes  # noqa: E402
+from algorithms.rollouts import encode  # noqa: E402
+from inference import SamplingParams  # noqa: E402
+from inference.suffix import ReuseConfig, SessionEngine  # noqa: E402
+from tasks.clm import ClmTask, ContextEnv, scripted_output  # noqa: E402
+
+
+def warm_model(cache_dir: str | None) -> str:
+    """The data=clm warm start (built once per recipe, cached like every default model)."""
+    from algorithms import config_schemas
+    from trainer.config import load_config
+    from trainer.distributed import World
+    from trainer.warm_start import ensure
+
+    args = ["+algo=clm"] + ([f"model.cache_dir={cache_dir}"] if cache_dir else [])
+    cfg = load_config(args, config_schemas())
+    return ensure(cfg.model, World())
+
+
+# --- trajectories --------------------------------------------------------------------------------
+
+
+def oracle(task: ClmTask, episodes, tok, compact_at: float, budget: int | None = None, max_calls: int = 16):
+    """(per episode: [(prompt ids, output ids)], outcomes, successes) of the scripted oracle; compact_at
+    = inf never edits (append-only)."""
+    trajs, outcomes, success = [], [], []
+    count = lambda s: len(encode(tok, s))  # noqa: E731
+    for ep in episodes:
+        env = ContextEnv(ep, fmt=task.fmt, count_tokens=count, budget=budget, max_calls=max_calls)
+        calls = []
+        while not env.done:
+            prompt = encode(tok, env.prompt())
+            out = scripted_output(env, compact_at)
+            calls.append((prompt, encode(tok, out) + [tok.eos_token_id]))
+            env.step(out)
+        trajs.append(calls)
+        outcomes.append(env.outcome)
+        success.append(env.outcome == "answered" and task.verify(ep, out).correct)
+    return trajs, outcomes, success
+
+
+def edited_after(calls, tok, fmt) -> list[bool]:
+    """Per call: whether the previous call of the episode rewrote the context."""
+    marks, prev = [], False
+    for _, out in calls:
+        marks.append(prev)
+        prev = tok.decode(out, skip_special_tokens=True).split("\n", 1)[0] == fmt.rewrite
+    return marks
+
+
+def replay(model, trajs, reuse: ReuseConfig, reference=None):
+    """Every episode's calls through a session engine, round by round (one batched call per round).
+    Returns per-call (prefill tokens, relocated, KL vs `reference` logits or None), logits, seconds."""
+    engine = SessionEngine(model, reuse)
+    rounds = max(len(t) for t in trajs)
+    stats, logits = [], []
+    started = time.perf_counter()
+    for k in range(rounds):
+        rows = [i for i, t in enumerate(trajs) if len(t) > k]
+        out = engine.replay([trajs[i][k][0] for i in rows], [trajs[i][k][1] for i in rows], rows)
+        for i in [i for i in rows if len(trajs[i]) == k + 1]:
+            engine.end(i)
+        logits.append(out.float())
+        stats.append([(i, s.prefill_tokens, s.relocated_tokens) for i, s in zip(rows, engine.stats)])
+    seconds = time.perf_counter() - started
+    per_call = {}
+    for k, (round_stats, lg) in enumerate(zip(stats, logits)):
+        for row, (i, prefill, relocated) in enumerate(round_stats):
+            kl = None
+            if reference is not None:
+                p = torch.log_softmax(reference[k][row], -1)
+                q = torch.log_softmax(lg[row], -1)
+                kl = float((p.exp() * (p - q)).sum())
+            per_call[(i, k)] = (prefill, relocated, kl)
+    return per_call, logits, seconds
+
+
+def serving(model, trajs, tok, fmt, spans: dict[str, ReuseConfig]) -> list[dict]:
+    full_calls, full_logits, full_s = replay(model, trajs, ReuseConfig(mode="full"))
+    edited = {(i, k): e for i, t in enumerate(trajs) for k, e in enumerate(edited_after(t, tok, fmt))}
+    rows = []
+    for name, reuse in [("full", None), *spans.items()]:
+        if reuse is None:
+            calls, seconds = full_calls, full_s
+        else:
+            calls, _, seconds = replay(model, trajs, reuse, reference=full_logits)
+        kls = [c[2] for c in calls.values() if c[2] is not None]
+        rows.append({
+            "mode": name, "prefill_tokens": sum(c[0] for c in calls.values()),
+            "prefill_edited": sum(c[0] for key, c in calls.items() if edited[key]),
+            "relocated": sum(c[1] for c in calls.values()), "seconds": seconds,
+            "kl_mean": statistics.mean(kls) if kls else 0.0, "kl_max": max(kls) if kls else 0.0,
+        })
+    return rows
+
+
+# --- policies --------------------------------------------------------------------------------------
+
+
+def model_policy(path: str, task: ClmTask, episodes, max_new_tokens: int, max_calls: int, budget: int = 0):
+    from models.loading import load_pretrained
+
+    model, tok = load_pretrained(path)
+    model.eval()
+    engine = SessionEngine(model, ReuseConfig(mode="prefix"))
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tok.eos_token_id,))
+    trajs = play_episodes(engine, tok, task, episodes, params, max_calls, budget)
+    return model, tok, trajs
+
+
+def summary(name: str, success: list[bool], compute: list[int], edits: list[int], outcomes: list[str]) -> dict:
+    n = max(len(success), 1)
+    return {"policy": name, "success": sum(success) / n, "compute": statistics.mean(compute) if compute else 0.0,
+            "compute_success": statistics.mean([c for c, s in zip(compute, success) if s]) if any(success) else None,
+            "edits": statistics.mean(edits) if edits else 0.0,
+            "overflow": sum(o == "overflow" for o in outcomes) / n}
+
+
+def rl_run(job) -> dict:
+    warm, seed, w_eff, args, out = job
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "+algo=clm", f"model.path={warm}", f"seed={seed}",
+           f"algo.w_eff={w_eff}", f"output_dir={out}", f"trainer.max_steps={args.steps}",
+           f"trainer.batch_size={args.batch}", f"trainer.eval_every={args.steps}", "trainer.save_every=100000",
+           f"trainer.eval_examples={args.episodes}", "logging.wandb=false", "logging.progress=false",
+           *([f"trainer.lr={args.lr}"] if args.lr else []), *args.extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": ROOT}
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(f"rl run seed={seed} w_eff={w_eff} failed:\n{proc.stderr[-3000:]}")
+    records = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    train = [r for r in records if r.get("split") == "train"]
+    return {"seed": seed, "w_eff": w_eff, "path": os.path.join(out, "final"), "seconds": time.perf_counter() - started,
+            "train_success_first": train[0]["clm/success"], "train_success_last": train[-1]["clm/success"],
+            "train_compute_last": train[-1]["clm/compute"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--batch", type=int, default=8, help="task episodes per step (x algo.num_generations)")
+    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--w-eff", default="0,0.25")
+    ap.add_argument("--episodes", type=int, default=100, help="held-out episodes per evaluation")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--skip-rl", action="store_true")
+    ap.add_argument("--extra", nargs="*", default=[], help="more train.py overrides for the RL runs")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    warm = warm_model(args.cache_dir)
+    task = ClmTask(seed=0, n_train=2000, n_test=args.episodes)
+    episodes = list(task.test_examples())[: args.episodes]
+    max_new, max_calls = 56, 16
+    from models.loading import load_pretrained
+
+    model, tok = load_pretrained(warm)
+    model.eval()
+
+    # -- policies
+    table = []
+    prefix_reuse = ReuseConfig(mode="prefix")
+    oracle_trajs = {}
+    for name, compact, budget in (("append-only", math.inf, None), ("append-only, no budget", math.inf, 10 ** 6),
+                                  ("scripted", task.compact_at, None)):
+        trajs, outcomes, success = oracle(task, episodes, tok, compact, budget, max_calls)
+        calls, _, _ = replay(model, trajs, prefix_reuse) if budget is None or budget < 10 ** 6 else (None, None, None)
+        if calls is None:  # beyond the model's positions: count what prefix caching would forward
+            compute = [sum(len(p) - (len(trajs[i][k - 1][0]) + len(trajs[i][k - 1][1]) - 1 if k else 0) + len(o)
+                           for k, (p, o) in enumerate(t)) for i, t in enumerate(trajs)]
+        else:
+            compute = [sum(calls[(i, k)][0] + len(o) for k, (_, o) in enumerate(t)) for i, t in enumerate(trajs)]
+        edits = [sum(tok.decode(o, skip_special_tokens=True).startswith(task.fmt.rewrite + "\n") for _, o in t)
+                 for t in trajs]
+        table.append(summary(name, success, compute, edits, outcomes))
+        oracle_trajs[name] = trajs
+
+    def model_row(name, path):
+        _, _, trajs = model_policy(path, task, episodes, max_new, max_calls)
+        row = summary(name, [t.success for t in trajs], [t.compute for t in trajs], [t.edits for t in trajs],
+                      [t.outcome for t in trajs])
+        return row, [[(c.prompt, list(c.completion.tokens)) for c in t.calls] for t in trajs if t.calls]
+
+    warm_row, warm_trajs = model_row("warm start (before RL)", warm)
+    table.append(warm_row)
+
+    rl = []
+    if not args.skip_rl:
+        seeds = [int(s) for s in args.seeds.split(",")]
+        weights = [float(w) for w in args.w_eff.split(",")]
+        with tempfile.TemporaryDirectory() as tmp:
+            jobs = [(warm, s, w, args, os.path.join(tmp, f"w{w}-s{s}")) for w in weights for s in seeds]
+            with ThreadPoolExecutor(args.workers) as pool:
+                runs = list(pool.map(rl_run, jobs))
+            for w in weights:
+                rows = [model_row(f"rl w_eff={w} seed={r['seed']}", r["path"])[0] for r in runs if r["w_eff"] == w]
+                for r, row in zip([r for r in runs if r["w_eff"] == w], rows):
+                    row.update(seconds=r["seconds"], train_success_first=r["train_success_first"],
+                               train_success_last=r["train_success_last"])
+                rl.extend(rows)
+                succ = [r["success"] for r in rows]
+                comp = [r["compute"] for r in rows]
+                table.append({"policy": f"rl w_eff={w} (mean of {len(rows)})", "success": statistics.mean(succ),
+                              "success_std": statistics.stdev(succ) if len(succ) > 1 else 0.0,
+                              "compute": statistics.mean(comp),
+                              "compute_std": statistics.stdev(comp) if len(comp) > 1 else 0.0,
+                              "edits": statistics.mean(r["edits"] for r in rows),
+                              "overflow": statistics.mean(r["overflow"] for r in rows)})
+
+    print(f"== policies on {len(episodes)} held-out episodes (compute = prefill forwarded with prefix caching "
+          "+ decoded, per episode) ==")
+    print(f"{'policy':>34} {'success':>9} {'compute':>9} {'edits':>6} {'overflow':>9}")
+    for r in table:
+        sd = f"+-{r['success_std']:.3f}" if "success_std" in r else ""
+        print(f"{r['policy']:>34} {r['success']:>9.3f}{sd} {r['compute']:>9.1f} {r['edits']:>6.2f} {r['overflow']:>9.3f}")
+    for r in rl:
+        print(f"{r['policy']:>34} {r['success']:>9.3f} {r['compute']:>9.1f} {r['edits']:>6.2f} {r['overflow']:>9.3f}"
+              f"   (train success {r['train_success_first']:.2f} -> {r['train_success_last']:.2f}, {r['seconds']:.0f}s)")
+
+    spans = {f"suffix K={k}": ReuseConfig(mode="suffix", max_spans=k, min_span=16, reforward=4, min_gain=8)
+             for k in (1, 3, 6)}
+    spans["suffix K=6 (64/16/32)"] = ReuseConfig(mode="suffix")
+    spans["prefix"] = ReuseConfig(mode="prefix")
+    serve = {}
+    for name, trajs in (("scripted", oracle_trajs["scripted"]), ("warm start", warm_trajs)):
+        if not trajs:
+            continue
+        rows = serving(model, trajs, tok, task.fmt, spans)
+        serve[name] = rows
+        prefix_row = next(r for r in rows if r["mode"] == "prefix")
+        print(f"== serving the {name} trajectories ({len(trajs)} episodes, {sum(map(len, trajs))} calls) ==")
+        print(f"{'mode':>22} {'prefill tok':>12} {'after edit':>11} {'x prefix':>9} {'relocated':>10} "
+              f"{'wall s':>8} {'KL mean':>9} {'KL max':>9}")
+        for r in rows:
+            ratio = r["prefill_edited"] / max(prefix_row["prefill_edited"], 1)
+            print(f"{r['mode']:>22} {r['prefill_tokens']:>12} {r['prefill_edited']:>11} {ratio:>9.3f} "
+                  f"{r['relocated']:>10} {r['seconds']:>8.2f} {r['kl_mean']:>9.2e} {r['kl_max']:>9.2e}")
+    print(json.dumps({"policies": table, "rl_runs": rl, "serving": serve, "steps": args.steps,
+                      "episodes": len(episodes)}))
+
+
+if __name__ == "__main__":
+    main()

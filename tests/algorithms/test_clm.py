@@ -1,0 +1,170 @@
+"""CLM: the advantage by hand, episodes over the session engine, stepwise rows under their own contexts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from algorithms.advantages import group_advantages
+from algorithms.base import RolloutContext
+from algorithms.clm import CLM, CLMConfig, call_advantages, efficiency_advantages, play_episodes
+from algorithms.rollouts import encode
+from inference import SamplingParams
+from inference.suffix import ReuseConfig, SessionEngine
+from models.loading import TinySpec, build_tiny
+from tasks.clm import ClmTask, ContextEnv, Episode
+
+
+def test_efficiency_advantage_by_hand():
+    # one group: successes at 100, 300, 80 -> mean 160; the failure gets 0
+    a = efficiency_advantages(torch.tensor([100.0, 300.0, 50.0, 80.0]), torch.tensor([True, True, False, True]), 4)
+    assert a.tolist() == pytest.approx([60 / 160, -140 / 160, 0.0, 80 / 160])
+    # clipped at -1: 1000 against a mean of (10 + 1000) / 2 = 505 -> (505 - 1000) / 505 = -0.98; 10 -> +0.98
+    a = efficiency_advantages(torch.tensor([10.0, 1000.0]), torch.tensor([True, True]), 2)
+    assert a.tolist() == pytest.approx([495 / 505, -495 / 505])
+    a = efficiency_advantages(torch.tensor([10.0, 10.0, 1000.0]), torch.tensor([True, True, True]), 3)
+    assert a[2].item() == -1.0  # (340 - 1000) / 340 = -1.94 -> clipped
+    # fewer than 2 successes in a group: 0 for all of it; groups are independent
+    a = efficiency_advantages(torch.tensor([100.0, 50.0, 100.0, 300.0]), torch.tensor([True, False, True, True]), 2)
+    assert a.tolist() == pytest.approx([0.0, 0.0, 0.5, -0.5])
+
+
+def test_call_advantage_adds_efficiency_on_edit_calls_only():
+    task_adv = torch.tensor([0.5, -0.5])
+    eff = torch.tensor([0.4, 0.0])
+    episode_of = torch.tensor([0, 0, 0, 1, 1])
+    edit = torch.tensor([False, True, False, True, False])
+    a = call_advantages(task_adv, eff, episode_of, edit, 0.25)
+    assert a.tolist() == pytest.approx([0.5, 0.6, 0.5, -0.5, -0.5])
+    # w_eff = 0 is plain GRPO: every call of an episode carries its group-normalised reward
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    adv, _ = group_advantages(rewards, torch.ones(4, dtype=torch.bool), 4)
+    plain = call_advantages(adv, torch.ones(4), torch.tensor([0, 0, 1, 2, 3]), torch.ones(5, dtype=torch.bool), 0.0)
+    assert plain.tolist() == pytest.approx([0.8658754, 0.8658754, -0.8658754, -0.8658754, 0.8658754], abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tokenizer = build_tiny(TinySpec(64, 2, 4, 128), seed=0)
+    return model, tokenizer
+
+
+def _ctx(task, tokenizer, model, seed=0, max_new_tokens=24):
+    gen = torch.Generator().manual_seed(seed)
+    return RolloutContext(task, tokenizer, gen, torch.device("cpu"), max_new_tokens, policy_fn=lambda: model)
+
+
+def test_each_call_is_trained_under_its_own_context(tiny):
+    """Row k of a batch is exactly (the context call k saw) + (what it generated), and the loss is the
+    sum over calls of the clipped objective under those contexts; the final context would differ."""
+    model, tok = tiny
+    task = ClmTask(seed=0, n_train=4, n_test=2)
+    algo = CLM(CLMConfig(num_generations=2, max_calls=3))
+    batch = algo.make_batch(task.train_examples()[:2], _ctx(task, tok, model))
+    assert len(batch) >= 4  # 2 tasks x 2 episodes, at least one call each
+    # Replay every episode's recorded outputs through a fresh environment: each row's prompt is the
+    # context the environment showed at that call.
+    by_episode: dict[str, list[int]] = {}
+    for r, uid in enumerate(batch.uids):
+        by_episode.setdefault(uid.rsplit("/call", 1)[0], []).append(r)
+    examples = {ex.uid: ex for ex in task.train_examples()[:2]}
+    finals = {}
+    for key, rs in by_episode.items():
+        env = ContextEnv(examples[key.rsplit("/", 1)[0]], fmt=task.fmt, count_tokens=lambda s: len(encode(tok, s)),
+                         budget=task.budget, max_calls=3)
+        for r in rs:
+            ids = batch.input_ids[r][batch.attention_mask[r].bool()].tolist()
+            n_prompt = int(batch.policy.prompt_lengths[r])
+            assert ids[:n_prompt] == encode(tok, env.prompt())
+            completion = ids[n_prompt:]
+            assert batch.loss_mask[r].sum().item() == len(completion)
+            env.step(tok.decode(completion, skip_special_tokens=True))
+        finals[key] = env.prompt()
+    # The loss against a slow reference: one plain forward per row under its own prompt. (A random
+    # model never succeeds, so every advantage is 0; nonzero ones make the comparison able to fail.)
+    batch.policy.advantages = torch.linspace(-1.0, 1.0, len(batch))
+    model.zero_grad()
+    out = algo.loss(model, batch, normaliser=batch.num_targets().float())
+    out.loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    total, n_tokens = 0.0, batch.num_targets().float()
+    for r in range(len(batch)):
+        ids = batch.input_ids[r][batch.attention_mask[r].bool()]
+        n_prompt = int(batch.policy.prompt_lengths[r])
+        logp = torch.log_softmax(model(ids[None]).logits[0, :-1].float(), -1)
+        token_logp = logp.gather(1, ids[1:, None])[:, 0][n_prompt - 1:]
+        total = total + (-(batch.policy.advantages[r] * token_logp)).sum()  # rho = 1 on a single pass
+    (total / n_tokens).backward()
+    for n, p in model.named_parameters():
+        if n in got:
+            assert torch.allclose(got[n], p.grad, atol=1e-6, rtol=1e-4), n
+    # on a single pass rho = 1, so the loss value is -sum(A x tokens) / N; the gradient is -A dlogp
+    value = -(batch.policy.advantages * batch.loss_mask.sum(1).float()).sum() / n_tokens
+    assert out.loss.item() == pytest.approx(value.item(), abs=1e-6)
+    # Negative control: the same objective with every call under its episode's final context has
+    # another gradient.
+    model.zero_grad()
+    wrong = 0.0
+    for key, rs in by_episode.items():
+        for r in rs:
+            ids = batch.input_ids[r][batch.attention_mask[r].bool()]
+            n_prompt = int(batch.policy.prompt_lengths[r])
+            final = torch.tensor(encode(tok, finals[key]) + ids[n_prompt:].tolist())
+            logp = torch.log_softmax(model(final[None]).logits[0, :-1].float(), -1)
+            token_logp = logp.gather(1, final[1:, None])[:, 0][len(final) - 1 - (len(ids) - n_prompt):]
+            wrong = wrong + (-(batch.policy.advantages[r] * token_logp)).sum()
+    (wrong / n_tokens).backward()
+    assert max((got[n] - p.grad).abs().max().item() for n, p in model.named_parameters() if n in got) > 1e-4
+    model.zero_grad()
+
+
+def test_engine_compute_and_metrics_are_logged(tiny):
+    model, tok = tiny
+    task = ClmTask(seed=1, n_train=4, n_test=2)
+    algo = CLM(CLMConfig(num_generations=2, max_calls=2))
+    batch = algo.make_batch(task.train_examples()[:2], _ctx(task, tok, model, seed=3))
+    m = batch.metrics
+    for key in ("clm/success", "clm/compute", "clm/edits", "clm/context_tokens", "clm/calls", "clm/overflow",
+                "clm/call_cap", "clm/frac_zero_std"):
+        assert key in m, key
+    assert m["clm/compute"].item() > 0
+    # a random model never answers within 2 calls: every episode is a failure, no advantage
+    assert m["clm/success"].item() == 0.0 and batch.policy.advantages.abs().max().item() == 0.0
+
+
+def test_budget_below_the_prefix_is_a_logged_invalid_episode(tiny):
+    model, tok = tiny
+    task = ClmTask(seed=0, n_train=4, n_test=2)
+    ep = task.train_examples()[0]
+    tight = Episode(**{**ep.__dict__, "budget": 3, "uid": "tight"})
+    algo = CLM(CLMConfig(num_generations=2, max_calls=2))
+    with pytest.warns(UserWarning, match="tight"):
+        batch = algo.make_batch([tight, ep], _ctx(task, tok, model))
+    assert batch.metrics["clm/invalid"].item() == pytest.approx(0.5)
+    assert all(not u.startswith("tight/") for u in batch.uids)
+
+
+def test_call_cap_ends_an_episode_without_crashing(tiny):
+    model, tok = tiny
+    task = ClmTask(seed=0, n_train=2, n_test=2)
+    engine = SessionEngine(model, ReuseConfig(mode="prefix"))
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, stop_token_ids=(tok.eos_token_id,))
+    trajs = play_episodes(engine, tok, task, task.train_examples()[:2], params, max_calls=1,
+                          generator=torch.Generator().manual_seed(0))
+    assert [len(t.calls) for t in trajs] == [1, 1]
+    assert {t.outcome for t in trajs} <= {"call_cap", "overflow", "answered"}
+    assert len(engine) == 0  # sessions ended
+
+
+def test_clm_refuses_a_task_without_episodes():
+    from tasks import ArithTask, DataError
+
+    with pytest.raises(DataError, match="algo clm plays context-file episodes"):
+        CLM(CLMConfig()).check_task(ArithTask(n_train=8, n_test=4))
+
+
+def test_config_errors_name_the_key():
+    for kwargs, key in (({"reuse": "lru"}, "algo.reuse"), ({"w_eff": -1.0}, "algo.w_eff"),
+                        ({"max_calls": 0}, "algo.max_calls"), ({"reuse_min_span": -3}, "algo.reuse_")):
+        with pytest.raises(ValueError, match=key):
+            CLMConfig(**kwargs).validate()
