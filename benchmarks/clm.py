@@ -184,12 +184,13 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=100, help="held-out episodes per evaluation")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--model", default=None, help="a model dir to start from instead of the data=clm warm start")
     ap.add_argument("--skip-rl", action="store_true")
     ap.add_argument("--extra", nargs="*", default=[], help="more train.py overrides for the RL runs")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    warm = warm_model(args.cache_dir)
+    warm = args.model or warm_model(args.cache_dir)
     task = ClmTask(seed=0, n_train=2000, n_test=args.episodes)
     episodes = list(task.test_examples())[: args.episodes]
     max_new, max_calls = 56, 16
@@ -222,7 +223,7 @@ def main() -> None:
                       [t.outcome for t in trajs])
         return row, [[(c.prompt, list(c.completion.tokens)) for c in t.calls] for t in trajs if t.calls]
 
-    warm_row, warm_trajs = model_row("warm start (before RL)", warm)
+    warm_row, warm_trajs = model_row("warm start (before RL)" if args.model is None else "--model (before RL)", warm)
     table.append(warm_row)
 
     rl = []
