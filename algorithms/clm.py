@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Sequence
 
 import torch
 from torch import nn
@@ -38,12 +38,16 @@ from algorithms.advantages import SCALES, group_advantages
 from algorithms.base import Batch, PolicyTerms, RolloutContext, StepOutput, Traits
 from algorithms.rollouts import encode, rollout_batch
 from algorithms.scoring import scatter_tokens, student_features
-from inference import SamplingParams
-from inference.suffix import MODES as REUSE_MODES, ReuseConfig, SessionEngine
 from models.export import export_model
 from models.lora import LoRAOptions, train_all_or_lora
 from tasks import DataError
 from tasks.clm import ContextEnv, Episode, EpisodeError
+
+if TYPE_CHECKING:  # the runtime is imported where it runs: config loading imports this module and stays light
+    from inference import SamplingParams
+    from inference.suffix import ReuseConfig, SessionEngine
+
+REUSE_MODES = ("full", "prefix", "suffix")  # inference.suffix.MODES (a test keeps them equal)
 
 
 @dataclass
@@ -91,7 +95,9 @@ class CLMConfig(LoRAOptions):
             raise ValueError(f"algo.reuse={self.reuse} is not one of {', '.join(REUSE_MODES)}")
         self.reuse_config()  # the engine's own checks, named by key
 
-    def reuse_config(self) -> ReuseConfig:
+    def reuse_config(self) -> "ReuseConfig":
+        from inference.suffix import ReuseConfig
+
         try:
             return ReuseConfig(mode=self.reuse, max_spans=self.reuse_max_spans, min_span=self.reuse_min_span,
                                reforward=self.reuse_reforward, min_gain=self.reuse_min_gain)
@@ -173,7 +179,7 @@ class Trajectory:
         return sum(c.edit for c in self.calls)
 
 
-def play_episodes(engine: SessionEngine, tokenizer: Any, task: Any, episodes: Sequence[Any], params: SamplingParams,
+def play_episodes(engine: "SessionEngine", tokenizer: Any, task: Any, episodes: Sequence[Any], params: "SamplingParams",
                   max_calls: int, budget: int = 0, generator: Optional[torch.Generator] = None,
                   max_seq_len: Optional[int] = None) -> list[Trajectory]:
     """Play `episodes` (one trajectory each, in order) through `engine`, every live episode one row of
@@ -272,12 +278,16 @@ class CLM:
     def prepare_model(self, model: nn.Module) -> nn.Module:
         return train_all_or_lora(model, self.cfg)
 
-    def engine(self, model: nn.Module, engine_config: Any = None) -> SessionEngine:
+    def engine(self, model: nn.Module, engine_config: Any = None) -> "SessionEngine":
+        from inference.suffix import SessionEngine
+
         return SessionEngine(model, self.cfg.reuse_config(), engine_config)
 
     # --- rollouts ---------------------------------------------------------------------------------
 
     def make_batch(self, examples: Sequence[Any], ctx: RolloutContext) -> Batch:
+        from inference import SamplingParams
+
         c, g, tok = self.cfg, self.cfg.num_generations, ctx.tokenizer
         params = SamplingParams(max_new_tokens=ctx.max_new_tokens, temperature=c.temperature, top_p=c.top_p,
                                 stop_token_ids=(tok.eos_token_id,))
@@ -332,6 +342,8 @@ class CLM:
 
     def eval_completions(self, model: nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any],
                          max_new_tokens: int) -> list[list[int]]:
+        from inference import SamplingParams
+
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                                 stop_token_ids=(tokenizer.eos_token_id,))
         trajs = play_episodes(self.engine(model), tokenizer, task, examples, params, self.cfg.max_calls,

@@ -163,6 +163,13 @@ def test_clm_refuses_a_task_without_episodes():
         CLM(CLMConfig()).check_task(ArithTask(n_train=8, n_test=4))
 
 
+def test_reuse_modes_are_the_engine_modes():
+    from algorithms.clm import REUSE_MODES
+    from inference.suffix import MODES
+
+    assert REUSE_MODES == MODES
+
+
 def test_config_errors_name_the_key():
     for kwargs, key in (({"reuse": "lru"}, "algo.reuse"), ({"w_eff": -1.0}, "algo.w_eff"),
                         ({"max_calls": 0}, "algo.max_calls"), ({"reuse_min_span": -3}, "algo.reuse_")):
