@@ -65,7 +65,8 @@ def oracle(task: ClmTask, episodes, tok, compact_at: float, budget: int | None =
     trajs, outcomes, success = [], [], []
     count = lambda s: len(encode(tok, s))  # noqa: E731
     for ep in episodes:
-        env = ContextEnv(ep, fmt=task.fmt, count_tokens=count, budget=budget, max_calls=max_calls)
+        env = ContextEnv(ep, fmt=task.fmt, count_tokens=count, budget=budget or ep.budget or task.budget,
+                         max_calls=max_calls)
         calls = []
         while not env.done:
             prompt = encode(tok, env.prompt())
