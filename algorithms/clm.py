@@ -334,6 +334,8 @@ class CLM:
         adv = micro.policy.advantages.unsqueeze(1).expand_as(sel)[sel]
         per_token = losses.clipped_policy_gradient(logp, logp.detach(), adv, c.epsilon_low, c.epsilon_high)
         loss = per_token.sum() / normaliser
+        if not per_token.numel():  # a rank whose episodes were all refused: a zero loss that still has a graph
+            loss = feats.sum() * 0.0
         metrics = {"clm/policy_loss": per_token.detach().float().mean() if per_token.numel()
                    else torch.zeros(())}
         return StepOutput(loss, metrics, scatter_tokens(logp, sel))
@@ -348,7 +350,6 @@ class CLM:
                                 stop_token_ids=(tokenizer.eos_token_id,))
         trajs = play_episodes(self.engine(model), tokenizer, task, examples, params, self.cfg.max_calls,
                               self.cfg.budget)
-        self.last_eval = episode_metrics(trajs, "eval")
         return [list(t.calls[-1].completion.tokens) if t.outcome == "answered" else [] for t in trajs]
 
     def export(self, model: nn.Module, tokenizer: Any, out_dir: str) -> None:

@@ -144,6 +144,20 @@ def test_budget_below_the_prefix_is_a_logged_invalid_episode(tiny):
     assert all(not u.startswith("tight/") for u in batch.uids)
 
 
+def test_a_batch_of_only_invalid_episodes_still_trains_a_zero_row(tiny):
+    model, tok = tiny
+    task = ClmTask(seed=0, n_train=4, n_test=2)
+    tight = Episode(**{**task.train_examples()[0].__dict__, "budget": 3, "uid": "tight"})
+    algo = CLM(CLMConfig(num_generations=2, max_calls=2))
+    with pytest.warns(UserWarning, match="tight"):
+        batch = algo.make_batch([tight], _ctx(task, tok, model))
+    assert len(batch) == 1 and batch.loss_mask.sum().item() == 0
+    out = algo.loss(model, batch, normaliser=torch.tensor(1.0))
+    out.loss.backward()  # joins the backward (a rank with nothing to train must not skip it)
+    assert out.loss.item() == 0.0
+    model.zero_grad()
+
+
 def test_call_cap_ends_an_episode_without_crashing(tiny):
     model, tok = tiny
     task = ClmTask(seed=0, n_train=2, n_test=2)
