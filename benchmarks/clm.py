@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -41,7 +42,8 @@ from algorithms.clm import play_episodes  # noqa: E402
 from algorithms.rollouts import encode  # noqa: E402
 from inference import SamplingParams  # noqa: E402
 from inference.suffix import ReuseConfig, SessionEngine  # noqa: E402
-from tasks.clm import ClmTask, ContextEnv, scripted_output  # noqa: E402
+from tasks.clm import CHAIN_FILLERS, CHAIN_QUERY, ClmTask, ContextEnv, Episode, fold_note, scripted_output  # noqa: E402
+from tasks.context_file import TINY_FORMAT, ContextFile, ContextFormat, Turn, render_turns  # noqa: E402
 
 
 def warm_model(cache_dir: str | None) -> str:
@@ -134,6 +136,144 @@ def serving(model, trajs, tok, fmt, spans: dict[str, ReuseConfig]) -> list[dict]
     return rows
 
 
+# --- serving at the reference's scale ------------------------------------------------------------
+
+LONG_PREFIX = ("start at {start}; apply each op. you read tool logs, one per turn. each log hides one op, add d "
+               "or sub d, among status words; keep the running value. when the file grows too long, rewrite it: "
+               "fold the older logs into one note with the value so far and keep the latest logs as they are. "
+               "at the end, answer with the final value.\n\n")
+
+
+def long_episodes(n: int, seed: int, observations: tuple[int, int] = (10, 14),
+                  words: tuple[int, int] = (30, 40)) -> list[Episode]:
+    """Chain episodes with long verbose logs (30-40 status words around each op, ~250 characters) and a
+    ~330-character protected prefix: contexts of thousands of characters, kept turns of >= 64 tokens."""
+    rng = random.Random(seed)
+    episodes = []
+    for i in range(n):
+        value = start = rng.randint(0, 49)
+        logs = []
+        for _ in range(rng.randint(*observations)):
+            d = rng.randint(0, 9)
+            op = rng.choice([o for o, ok in (("add", value + d <= 99), ("sub", value - d >= 0)) if ok])
+            value += d if op == "add" else -d
+            line = [rng.choice(CHAIN_FILLERS) for _ in range(rng.randint(*words))]
+            line.insert(rng.randint(0, len(line)), f"{op} {d}")
+            logs.append(", ".join(line))
+        prefix = LONG_PREFIX.format(start=start)
+        episodes.append(Episode(CHAIN_QUERY, "", str(value), f"long{i}", kind="chain", prefix=prefix,
+                                observations=tuple(logs), query=CHAIN_QUERY))
+    return episodes
+
+
+def windowed_output(env: ContextEnv, compact_at: float, keep: int) -> str:
+    """The scripted compaction with a recent window: answer once asked; past compact_at x budget rewrite
+    the file to a note (the value after the logs it drops) + the last `keep` tool turns verbatim."""
+    if env.query_shown:
+        return f"{env.fmt.answer} {env.episode.answer}"
+    if env.context_tokens() <= compact_at * env.budget:
+        return "next"
+    tools = [t for t in env.context.turns if t.role == "tool"]
+    kept = tools[-keep:] if keep else []
+    note = fold_note(env.episode, env.shown - len(kept))
+    return env.fmt.rewrite + "\n" + render_turns((Turn("assistant", note), *kept), env.fmt)
+
+
+def long_trajectories(tok, fmt: ContextFormat, n: int, budget: int, compact_at: float, keep: int, seed: int = 0):
+    """[(prompt ids, output ids)] per episode of the windowed policy on long_episodes, counted in `tok`'s
+    tokens; every episode must end answered inside the budget."""
+    trajs = []
+    count = lambda s: len(encode(tok, s))  # noqa: E731
+    for ep in long_episodes(n, seed):
+        env = ContextEnv(ep, fmt=fmt, count_tokens=count, budget=budget, max_calls=64)
+        calls = []
+        while not env.done:
+            prompt, out = encode(tok, env.prompt()), windowed_output(env, compact_at, keep)
+            calls.append((prompt, encode(tok, out) + [tok.eos_token_id]))
+            env.step(out)
+        if env.outcome != "answered":
+            raise SystemExit(f"long serving: episode {ep.uid} ended {env.outcome} (budget {budget} too small for "
+                             f"keep={keep})")
+        trajs.append(calls)
+    return trajs
+
+
+def deletion_trajectories(tok, fmt: ContextFormat, n: int, budget: int, compact_at: float, keep: int,
+                          seed: int = 0):
+    """The same episodes under a harness whose edit is a short command (`drop m`: the m oldest turns
+    are replaced by a one-line note, the rest kept and renumbered), as with shell-style file edits: the
+    kept text is not re-emitted, so it survives only in the old prompt, split by the renumbered headers
+    into one equal block per kept turn. [(prompt ids, output ids)] per episode."""
+    trajs = []
+    for ep in long_episodes(n, seed):
+        cf, shown, calls = ContextFile(ep.prefix, (Turn("tool", ep.observations[0]),), fmt), 1, []
+        while True:
+            prompt = encode(tok, cf.prompt())
+            if shown > len(ep.observations):  # the query is shown
+                calls.append((prompt, encode(tok, f"{fmt.answer} {ep.answer}") + [tok.eos_token_id]))
+                break
+            if len(prompt) > compact_at * budget:
+                tools = [i for i, t in enumerate(cf.turns) if t.role == "tool"]
+                cut = tools[-keep] if keep and len(tools) >= keep else len(cf.turns)
+                note = Turn("assistant", fold_note(ep, shown - sum(t.role == "tool" for t in cf.turns[cut:])))
+                output, cf = f"drop {cut}", ContextFile(ep.prefix, (note, *cf.turns[cut:]), fmt)
+            else:
+                output, cf = "next", cf.append("assistant", "next")
+            calls.append((prompt, encode(tok, output) + [tok.eos_token_id]))
+            cf = cf.append("tool", ep.observations[shown]) if shown < len(ep.observations) else cf.append("user", ep.query)
+            shown += 1
+            if len(encode(tok, cf.prompt())) > budget:
+                raise SystemExit(f"long serving: episode {ep.uid} overflows budget {budget} with keep={keep}")
+        trajs.append(calls)
+    return trajs
+
+
+def long_model(spec: str):
+    """`random`: a random 4-layer Qwen3 (256 wide) over the character tokenizer with 8192 positions;
+    else a model directory."""
+    from models.loading import load_pretrained, random_qwen3
+    from models.tokenizer import build_char_tokenizer
+
+    if spec != "random":
+        model, tok = load_pretrained(spec)
+        return model.eval(), tok, ContextFormat()
+    tok = build_char_tokenizer()
+    model = random_qwen3(len(tok), seed=0, hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024,
+                         max_positions=8192, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    return model.eval(), tok, TINY_FORMAT
+
+
+def print_serving(title: str, rows: list[dict]) -> None:
+    prefix_row = next(r for r in rows if r["mode"] == "prefix")
+    print(title)
+    print(f"{'mode':>22} {'prefill tok':>12} {'x prefix':>9} {'after edit':>11} {'x prefix':>9} {'relocated':>10} "
+          f"{'wall s':>8} {'KL mean':>9} {'KL max':>9}")
+    for r in rows:
+        ratio_all = r["prefill_tokens"] / max(prefix_row["prefill_tokens"], 1)
+        ratio = r["prefill_edited"] / max(prefix_row["prefill_edited"], 1)
+        print(f"{r['mode']:>22} {r['prefill_tokens']:>12} {ratio_all:>9.3f} {r['prefill_edited']:>11} {ratio:>9.3f} "
+              f"{r['relocated']:>10} {r['seconds']:>8.2f} {r['kl_mean']:>9.2e} {r['kl_max']:>9.2e}")
+
+
+def long_serving(args) -> dict:
+    model, tok, fmt = long_model(args.long_model)
+    spans = {f"suffix K={k}": ReuseConfig(mode="suffix", max_spans=k) for k in (1, 3, 6)}  # 64 / 16 / 32
+    spans["prefix"] = ReuseConfig(mode="prefix")
+    out = {"model": args.long_model, "budget": args.long_budget, "keep": args.long_keep}
+    for edit, make in (("rewrite", long_trajectories), ("drop", deletion_trajectories)):
+        trajs = make(tok, fmt, args.long_episodes, args.long_budget, 0.75, args.long_keep)
+        rows = serving(model, trajs, tok, fmt, spans)
+        lengths = [len(p) + len(o) for t in trajs for p, o in t]
+        how = ("the model's rewrite re-emits the kept text" if edit == "rewrite"
+               else "a `drop m` command deletes the oldest turns, the kept text is not re-emitted")
+        print_serving(f"== serving at the reference's scale, {edit} edits ({how}): {len(trajs)} long episodes, "
+                      f"{sum(map(len, trajs))} calls, budget {args.long_budget} tokens, {args.long_keep} logs kept, "
+                      f"prompt+output up to {max(lengths)} tokens, spans >= 64 / re-forward 16 / min gain 32 "
+                      f"(model: {args.long_model}) ==", rows)
+        out[edit] = {"episodes": len(trajs), "calls": sum(map(len, trajs)), "max_tokens": max(lengths), "rows": rows}
+    return out
+
+
 # --- policies --------------------------------------------------------------------------------------
 
 
@@ -165,9 +305,12 @@ def rl_run(job) -> dict:
            *([f"trainer.lr={args.lr}"] if args.lr else []), *args.extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": ROOT}
     started = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode != 0:
-        raise SystemExit(f"rl run seed={seed} w_eff={w_eff} failed:\n{proc.stderr[-3000:]}")
+    if os.path.exists(os.path.join(out, "final", "config.json")):  # --runs-dir: this run finished earlier
+        print(f"rl run seed={seed} w_eff={w_eff}: using the finished run in {out}", flush=True)
+    else:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+        if proc.returncode != 0:
+            raise SystemExit(f"rl run seed={seed} w_eff={w_eff} failed:\n{proc.stderr[-3000:]}")
     records = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     train = [r for r in records if r.get("split") == "train"]
     return {"seed": seed, "w_eff": w_eff, "path": os.path.join(out, "final"), "seconds": time.perf_counter() - started,
@@ -187,10 +330,21 @@ def main() -> None:
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--model", default=None, help="a model dir to start from instead of the data=clm warm start")
     ap.add_argument("--skip-rl", action="store_true")
+    ap.add_argument("--runs-dir", default=None,
+                    help="keep the RL runs here (default: a temporary dir); a run whose final/ is there is not rerun")
+    ap.add_argument("--skip-long", action="store_true", help="skip serving at the reference's scale")
+    ap.add_argument("--long-only", action="store_true", help="only serving at the reference's scale")
+    ap.add_argument("--long-model", default="random", help="random (4-layer, 8192 positions) or a model dir")
+    ap.add_argument("--long-episodes", type=int, default=8)
+    ap.add_argument("--long-budget", type=int, default=2048, help="context budget of the long episodes (tokens)")
+    ap.add_argument("--long-keep", type=int, default=2, help="recent logs each rewrite keeps verbatim")
     ap.add_argument("--extra", nargs="*", default=[], help="more train.py overrides for the RL runs")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
+    if args.long_only:
+        print(json.dumps({"long_serving": long_serving(args)}))
+        return
     warm = args.model or warm_model(args.cache_dir)
     task = ClmTask(seed=0, n_train=2000, n_test=args.episodes)
     episodes = list(task.test_examples())[: args.episodes]
@@ -232,7 +386,9 @@ def main() -> None:
         seeds = [int(s) for s in args.seeds.split(",")]
         weights = [float(w) for w in args.w_eff.split(",")]
         with tempfile.TemporaryDirectory() as tmp:
-            jobs = [(warm, s, w, args, os.path.join(tmp, f"w{w}-s{s}")) for w in weights for s in seeds]
+            where = args.runs_dir or tmp
+            jobs = [(warm, s, w, args, os.path.join(where, f"steps{args.steps}-w{w}-s{s}")) for w in weights
+                    for s in seeds]
             with ThreadPoolExecutor(args.workers) as pool:
                 runs = list(pool.map(rl_run, jobs))
             for w in weights:
@@ -270,15 +426,10 @@ def main() -> None:
             continue
         rows = serving(model, trajs, tok, task.fmt, spans)
         serve[name] = rows
-        prefix_row = next(r for r in rows if r["mode"] == "prefix")
-        print(f"== serving the {name} trajectories ({len(trajs)} episodes, {sum(map(len, trajs))} calls) ==")
-        print(f"{'mode':>22} {'prefill tok':>12} {'after edit':>11} {'x prefix':>9} {'relocated':>10} "
-              f"{'wall s':>8} {'KL mean':>9} {'KL max':>9}")
-        for r in rows:
-            ratio = r["prefill_edited"] / max(prefix_row["prefill_edited"], 1)
-            print(f"{r['mode']:>22} {r['prefill_tokens']:>12} {r['prefill_edited']:>11} {ratio:>9.3f} "
-                  f"{r['relocated']:>10} {r['seconds']:>8.2f} {r['kl_mean']:>9.2e} {r['kl_max']:>9.2e}")
-    print(json.dumps({"policies": table, "rl_runs": rl, "serving": serve, "steps": args.steps,
+        print_serving(f"== serving the {name} trajectories ({len(trajs)} episodes, {sum(map(len, trajs))} calls) ==",
+                      rows)
+    long = None if args.skip_long else long_serving(args)
+    print(json.dumps({"policies": table, "rl_runs": rl, "serving": serve, "long_serving": long, "steps": args.steps,
                       "episodes": len(episodes)}))
 
 
