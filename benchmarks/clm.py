@@ -348,7 +348,7 @@ def main() -> None:
     warm = args.model or warm_model(args.cache_dir)
     task = ClmTask(seed=0, n_train=2000, n_test=args.episodes)
     episodes = list(task.test_examples())[: args.episodes]
-    max_new, max_calls = 56, 16
+    max_new, max_calls = 72, 16
     from models.loading import load_pretrained
 
     model, tok = load_pretrained(warm)

@@ -34,6 +34,7 @@ from tasks.context_file import (
     parse,
     parse_action,
     parse_editable,
+    render_turns,
     unescape,
 )
 
@@ -459,3 +460,22 @@ def test_task_file_budget_below_the_prefix_and_charset(tmp_path):
         ClmTask(path=path, test_path=path).train_examples()
     with pytest.raises(DataError, match="no episodes"):
         ClmTask(path=_write(tmp_path, "empty.jsonl", [""])).train_examples()
+
+
+def test_scripted_outputs_fit_the_algorithms_token_limit():
+    # configs/algo/clm.yaml's per-call limit must hold the longest scripted output + EOS (a kv note with
+    # all five keys: 65 characters + EOS); at 56 a third of the warm-up's outputs were cut.
+    from pathlib import Path
+
+    import yaml
+
+    cfg = yaml.safe_load((Path(__file__).parents[2] / "configs" / "algo" / "clm.yaml").read_text())["trainer"]
+    worst = Episode("value of a?", "", "5", "worst", kind="kv", prefix=KV_PREFIX,
+                    observations=("set a=1 b=2 c=3", "set d=4 e=5 a=5"), query="value of a?")
+    longest = max(len(o) for task in (small_task(), small_task(seed=1)) for ep in task.episodes()[0]
+                  for _, o in run_scripted(task.make_env(ep), task.compact_at))
+    note = fold_note(worst, 2)
+    assert note == "state a=5 b=2 c=3 d=4 e=5"
+    worst_output = len("rewrite\n" + render_turns((Turn("assistant", note),), TINY_FORMAT))
+    assert worst_output == 65 and longest <= worst_output
+    assert worst_output + 1 <= min(cfg["max_new_tokens"], cfg["eval_max_new_tokens"])
