@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import signal
 import time
 from dataclasses import dataclass, field
@@ -127,6 +128,9 @@ def train_step(s: Session, batch: Batch) -> dict:
     Returns the step's train record (losses and metrics averaged over ranks)."""
     world, backend = s.world, s.backend
     micros = batch.micro_batches(s.cfg.trainer.micro_batch_size)
+    real = len(micros)
+    if world.distributed:  # rows per rank may differ (clm): every rank runs as many backwards as the busiest
+        micros += [zero_weight(micros[0])] * (int(world.all_reduce_max(torch.tensor(real)).item()) - real)
     global_targets = world.all_reduce_sum(batch.num_targets().double())  # scalar, or (G,) per loss group
     normaliser = (global_targets / world.size).clamp(min=1).float()  # backends average grads over ranks
     loss_sum, metric_sums, gaps = torch.zeros(()), {}, []
@@ -139,9 +143,11 @@ def train_step(s: Session, batch: Batch) -> dict:
             out = s.algo.loss(backend.train_model, micro, normaliser)
         _check_finite(s, out.loss, i, micro)
         backend.backward(out.loss)
+        if i >= real:  # a zero-weight filler: nothing to log
+            continue
         loss_sum += out.loss.detach().float().cpu()
         for k, v in out.metrics.items():
-            metric_sums[k] = metric_sums.get(k, 0.0) + v.detach().float().cpu() / len(micros)
+            metric_sums[k] = metric_sums.get(k, 0.0) + v.detach().float().cpu() / real
         if micro.rollout_logprobs is not None and out.token_logprobs is not None:
             gaps.append(logprob_gap(out.token_logprobs, micro.rollout_logprobs, micro.loss_mask).cpu())
     grad_norm = backend.step(s.cfg.trainer.max_grad_norm)
@@ -154,6 +160,13 @@ def train_step(s: Session, batch: Batch) -> dict:
     reduced = _mean_over_ranks(world, {"loss": loss_sum, "tokens": local_tokens, **metric_sums})  # one collective
     tokens = round(reduced.pop("tokens") * world.size)
     return {"step": s.step, "split": "train", **reduced, "grad_norm": grad_norm, "lr": backend.lr, "tokens": tokens}
+
+
+def zero_weight(micro: Batch) -> Batch:
+    """A one-row micro-batch that trains nothing (no loss tokens): its backward joins the ranks' gradient
+    syncs and adds zero, for a rank with fewer micro-batches than the others in a step."""
+    one = micro._map(lambda t: t[:1], torch.tensor([0]))
+    return dataclasses.replace(one, loss_mask=torch.zeros_like(one.loss_mask))
 
 
 def _mean_over_ranks(world: World, values: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -189,3 +189,29 @@ def test_config_errors_name_the_key():
                         ({"max_calls": 0}, "algo.max_calls"), ({"reuse_min_span": -3}, "algo.reuse_")):
         with pytest.raises(ValueError, match=key):
             CLMConfig(**kwargs).validate()
+
+
+def test_a_zero_weight_filler_micro_batch_adds_nothing(tiny):
+    """Under torchrun a rank with fewer calls than another runs zero-weight fillers (trainer.loop), so
+    every rank joins the same gradient syncs: the filler's loss and every gradient it makes are 0."""
+    from trainer.loop import zero_weight
+
+    model, tok = tiny
+    task = ClmTask(seed=0, n_train=4, n_test=2)
+    algo = CLM(CLMConfig(num_generations=2, max_calls=2))
+    batch = algo.make_batch(task.train_examples()[:1], _ctx(task, tok, model))
+    batch.policy.advantages.fill_(1.0)  # a real row would train
+    filler = zero_weight(batch.micro_batches(8)[0])
+    assert len(filler) == 1 and filler.loss_mask.sum().item() == 0
+    assert torch.equal(filler.input_ids[0], batch.micro_batches(8)[0].input_ids[0])
+    model.zero_grad()
+    out = algo.loss(model, filler, normaliser=torch.tensor(1.0))
+    out.loss.backward()
+    assert out.loss.item() == 0.0
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None for g in grads) and all(g.abs().max().item() == 0.0 for g in grads)
+    model.zero_grad()
+    real = algo.loss(model, batch.micro_batches(8)[0], normaliser=torch.tensor(1.0))
+    real.loss.backward()
+    assert any(p.grad.abs().max().item() > 0 for p in model.parameters())  # the same row unmasked does train
+    model.zero_grad()

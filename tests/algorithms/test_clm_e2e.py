@@ -1,11 +1,13 @@
 """CLM as a user runs it: `torchrun --nproc_per_node=2 train.py +algo=clm` on CPU (random tiny model:
-the mechanics, not the learning), and resume mid-run equal to an uninterrupted run."""
+the mechanics, not the learning), and resume mid-run equal to an uninterrupted run (from a model SFT'd on
+an easy task file, so the steps have non-zero advantages and update the weights)."""
 from __future__ import annotations
 
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import ROOT, tiny_overrides, torchrun_train
 
@@ -30,19 +32,57 @@ def test_torchrun_two_ranks_end_to_end(tmp_path, subprocess_env):
     assert (out / "final" / "model.safetensors").exists()
 
 
-def test_resume_mid_run_equals_an_uninterrupted_run(tmp_path, subprocess_env):
-    def run(out, steps):
-        rows = torchrun_train(out, subprocess_env, *CLM, f"trainer.max_steps={steps}", "trainer.save_every=2",
-                              algo="clm")
-        return {x["step"]: (x["loss"], x["clm/compute"], x["clm/calls"], x["rollout/length"])
-                for x in rows if x["split"] == "train"}
+# An episode a 2-layer model learns in 60 SFT steps (`next`, then `answer 7`), so sampled episodes succeed
+# about 2 times in 3: groups mix successes and failures and the RL steps really update the weights.
+EASY_EPISODE = {"prefix": "say the digit.\n\n", "observations": ["digit 7"], "query": "digit?", "answer": "7"}
 
-    whole = run(tmp_path / "whole", 4)
-    run(tmp_path / "parts", 2)
-    resumed = run(tmp_path / "parts", 4)
+
+def test_resume_mid_run_equals_an_uninterrupted_run(tmp_path, subprocess_env):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from trainer import checkpoint
+
+    episodes = tmp_path / "easy.jsonl"
+    episodes.write_text("\n".join(json.dumps(EASY_EPISODE) for _ in range(10)) + "\n")
+    data = [f"data.path={episodes}", "algo.max_calls=3", "trainer.max_new_tokens=16", "trainer.eval_max_new_tokens=16"]
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *tiny_overrides(
+        tmp_path / "sft", "data=clm", "data.view=calls", *data[:1], "trainer.max_steps=60", "trainer.batch_size=8",
+        "trainer.micro_batch_size=8", "trainer.eval_max_new_tokens=16")], env=subprocess_env, capture_output=True,
+        text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    start = tmp_path / "sft" / "final"
+
+    out = tmp_path / "run"
+
+    def run():
+        rows = torchrun_train(out, subprocess_env, *data, f"model.path={start}", "trainer.max_steps=4",
+                              "trainer.save_every=2", "trainer.batch_size=2", "trainer.micro_batch_size=8",
+                              "algo.num_generations=4", "trainer.lr=1e-4", algo="clm")
+        return {x["step"]: (x["loss"], x["clm/advantage_abs"], x["grad_norm"], x["clm/compute"], x["clm/calls"],
+                            x["rollout/length"]) for x in rows if x["split"] == "train"}
+
+    whole = run()
+    whole_weights = load_file(out / "final" / "model.safetensors")
+    # A stop after step 2: only what existed then is kept, and the same command runs again.
+    for step, path in checkpoint.complete_checkpoints(str(out)):
+        if step > 2:
+            shutil.rmtree(path)
+    metrics = out / "metrics.jsonl"
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= 2))
+    shutil.rmtree(out / "final")
+    resumed = run()
     assert sorted(resumed) == [1, 2, 3, 4]
+    assert any(whole[step][1] > 0 for step in (3, 4))  # the resumed steps have non-zero advantages
     for step in (3, 4):
         assert resumed[step] == pytest.approx(whole[step], rel=1e-4, abs=1e-6)
+    first = load_file(start / "model.safetensors")
+    resumed_weights = load_file(out / "final" / "model.safetensors")
+    assert any(not torch.equal(whole_weights[k], first[k]) for k in first)  # RL moved the weights
+    for k in whole_weights:
+        torch.testing.assert_close(resumed_weights[k], whole_weights[k], rtol=1e-5, atol=1e-6)
 
 
 def test_deepspeed_is_refused_by_name(tmp_path, subprocess_env):
