@@ -54,7 +54,7 @@ REUSE_MODES = ("full", "prefix", "suffix")  # inference.suffix.MODES (a test kee
 class CLMConfig(LoRAOptions):
     traits: ClassVar[Traits] = Traits(deepspeed=False)
     name: str = "clm"
-    num_generations: int = 4  # G episodes per task episode
+    num_generations: int = 8  # G episodes per task episode
     temperature: float = 1.0  # rollout temperature; the loss divides logits by it too
     top_p: float = 1.0
     w_eff: float = 0.25  # weight of the efficiency advantage on edit calls (0 = plain stepwise GRPO)

@@ -320,8 +320,8 @@ def rl_run(job) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--batch", type=int, default=8, help="task episodes per step (x algo.num_generations)")
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--batch", type=int, default=4, help="task episodes per step (x algo.num_generations)")
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--w-eff", default="0,0.25")
