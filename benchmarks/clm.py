@@ -82,11 +82,13 @@ def oracle(task: ClmTask, episodes, tok, compact_at: float, budget: int | None =
 
 
 def edited_after(calls, tok, fmt) -> list[bool]:
-    """Per call: whether the previous call of the episode rewrote the context."""
+    """Per call: whether the previous call of the episode edited the context (a rewrite, or the `drop m`
+    command of the deletion trajectories)."""
     marks, prev = [], False
     for _, out in calls:
         marks.append(prev)
-        prev = tok.decode(out, skip_special_tokens=True).split("\n", 1)[0] == fmt.rewrite
+        first = tok.decode(out, skip_special_tokens=True).split("\n", 1)[0]
+        prev = first == fmt.rewrite or first.startswith(DROP)
     return marks
 
 
@@ -166,6 +168,9 @@ def long_episodes(n: int, seed: int, observations: tuple[int, int] = (10, 14),
     return episodes
 
 
+DROP = "drop "  # the deletion harness's edit command: `drop m` replaces the m oldest turns by a note
+
+
 def windowed_output(env: ContextEnv, compact_at: float, keep: int) -> str:
     """The scripted compaction with a recent window: answer once asked; past compact_at x budget rewrite
     the file to a note (the value after the logs it drops) + the last `keep` tool turns verbatim."""
@@ -216,7 +221,7 @@ def deletion_trajectories(tok, fmt: ContextFormat, n: int, budget: int, compact_
                 tools = [i for i, t in enumerate(cf.turns) if t.role == "tool"]
                 cut = tools[-keep] if keep and len(tools) >= keep else len(cf.turns)
                 note = Turn("assistant", fold_note(ep, shown - sum(t.role == "tool" for t in cf.turns[cut:])))
-                output, cf = f"drop {cut}", ContextFile(ep.prefix, (note, *cf.turns[cut:]), fmt)
+                output, cf = f"{DROP}{cut}", ContextFile(ep.prefix, (note, *cf.turns[cut:]), fmt)
             else:
                 output, cf = "next", cf.append("assistant", "next")
             calls.append((prompt, encode(tok, output) + [tok.eos_token_id]))
