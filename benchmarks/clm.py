@@ -22,10 +22,12 @@ Last line JSON.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,6 +46,9 @@ from inference import SamplingParams  # noqa: E402
 from inference.suffix import ReuseConfig, SessionEngine  # noqa: E402
 from tasks.clm import CHAIN_FILLERS, CHAIN_QUERY, ClmTask, ContextEnv, Episode, fold_note, scripted_output  # noqa: E402
 from tasks.context_file import TINY_FORMAT, ContextFile, ContextFormat, Turn, render_turns  # noqa: E402
+
+
+RUN_RECORD = "bench_run.json"  # an RL run's wall time and overrides, written once the run finished
 
 
 def warm_model(cache_dir: str | None) -> str:
@@ -79,6 +84,9 @@ def oracle(task: ClmTask, episodes, tok, compact_at: float, budget: int | None =
         outcomes.append(env.outcome)
         success.append(env.outcome == "answered" and task.verify(ep, out).correct)
     return trajs, outcomes, success
+
+
+DROP = "drop "  # the deletion harness's edit command: `drop m` replaces the m oldest turns by a note
 
 
 def edited_after(calls, tok, fmt) -> list[bool]:
@@ -166,9 +174,6 @@ def long_episodes(n: int, seed: int, observations: tuple[int, int] = (10, 14),
         episodes.append(Episode(CHAIN_QUERY, "", str(value), f"long{i}", kind="chain", prefix=prefix,
                                 observations=tuple(logs), query=CHAIN_QUERY))
     return episodes
-
-
-DROP = "drop "  # the deletion harness's edit command: `drop m` replaces the m oldest turns by a note
 
 
 def windowed_output(env: ContextEnv, compact_at: float, keep: int) -> str:
@@ -302,23 +307,37 @@ def summary(name: str, success: list[bool], compute: list[int], edits: list[int]
 
 
 def rl_run(job) -> dict:
-    warm, seed, w_eff, args, out = job
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "+algo=clm", f"model.path={warm}", f"seed={seed}",
-           f"algo.w_eff={w_eff}", f"output_dir={out}", f"trainer.max_steps={args.steps}",
-           f"trainer.batch_size={args.batch}", f"trainer.eval_every={args.steps}", "trainer.save_every=100000",
-           f"trainer.eval_examples={args.episodes}", "logging.wandb=false", "logging.progress=false",
-           *([f"trainer.lr={args.lr}"] if args.lr else []), *args.extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": ROOT}
-    started = time.perf_counter()
-    if os.path.exists(os.path.join(out, "final", "config.json")):  # --runs-dir: this run finished earlier
+    """One RL run in `where`/w{w_eff}-s{seed}-{hash of its overrides}; with --runs-dir, a run whose
+    record (RUN_RECORD, written last) is there is read back instead of rerun, and a run left unfinished
+    is started over (its directory removed first, so no stale metrics are appended to)."""
+    warm, seed, w_eff, args, where = job
+    overrides = ["+algo=clm", f"model.path={warm}", f"seed={seed}", f"algo.w_eff={w_eff}",
+                 f"trainer.max_steps={args.steps}", f"trainer.batch_size={args.batch}",
+                 f"trainer.eval_every={args.steps}", "trainer.save_every=100000",
+                 f"trainer.eval_examples={args.episodes}", "logging.wandb=false", "logging.progress=false",
+                 *([f"trainer.lr={args.lr}"] if args.lr else []), *args.extra]
+    key = hashlib.sha256(json.dumps(overrides).encode()).hexdigest()[:10]
+    out = os.path.join(where, f"w{w_eff}-s{seed}-{key}")
+    record = os.path.join(out, RUN_RECORD)
+    if os.path.exists(record):
         print(f"rl run seed={seed} w_eff={w_eff}: using the finished run in {out}", flush=True)
+        with open(record) as fh:
+            seconds = json.load(fh)["seconds"]
     else:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+        shutil.rmtree(out, ignore_errors=True)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": ROOT}
+        started = time.perf_counter()
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *overrides, f"output_dir={out}"],
+                              env=env, capture_output=True, text=True, cwd=ROOT)
         if proc.returncode != 0:
             raise SystemExit(f"rl run seed={seed} w_eff={w_eff} failed:\n{proc.stderr[-3000:]}")
+        seconds = time.perf_counter() - started
+        with open(record + ".tmp", "w") as fh:
+            json.dump({"seconds": seconds, "overrides": overrides}, fh)
+        os.replace(record + ".tmp", record)
     records = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     train = [r for r in records if r.get("split") == "train"]
-    return {"seed": seed, "w_eff": w_eff, "path": os.path.join(out, "final"), "seconds": time.perf_counter() - started,
+    return {"seed": seed, "w_eff": w_eff, "path": os.path.join(out, "final"), "seconds": seconds,
             "train_success_first": train[0]["clm/success"], "train_success_last": train[-1]["clm/success"],
             "train_compute_last": train[-1]["clm/compute"]}
 
@@ -336,7 +355,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a model dir to start from instead of the data=clm warm start")
     ap.add_argument("--skip-rl", action="store_true")
     ap.add_argument("--runs-dir", default=None,
-                    help="keep the RL runs here (default: a temporary dir); a run whose final/ is there is not rerun")
+                    help="keep the RL runs here (default: a temporary dir); a finished run with the same overrides "
+                         "is read back, not rerun")
     ap.add_argument("--skip-long", action="store_true", help="skip serving at the reference's scale")
     ap.add_argument("--long-only", action="store_true", help="only serving at the reference's scale")
     ap.add_argument("--long-model", default="random", help="random (4-layer, 8192 positions) or a model dir")
@@ -391,9 +411,7 @@ def main() -> None:
         seeds = [int(s) for s in args.seeds.split(",")]
         weights = [float(w) for w in args.w_eff.split(",")]
         with tempfile.TemporaryDirectory() as tmp:
-            where = args.runs_dir or tmp
-            jobs = [(warm, s, w, args, os.path.join(where, f"steps{args.steps}-w{w}-s{s}")) for w in weights
-                    for s in seeds]
+            jobs = [(warm, s, w, args, args.runs_dir or tmp) for w in weights for s in seeds]
             with ThreadPoolExecutor(args.workers) as pool:
                 runs = list(pool.map(rl_run, jobs))
             for w in weights:
