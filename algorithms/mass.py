@@ -45,7 +45,8 @@ from algorithms import losses
 from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms
 from algorithms.rollouts import encode, require_references, rollout_batch, rollout_metrics, sample
 from algorithms.scoring import detached_head, predicting, teacher_hidden
-from algorithms.selfdistill import SelfDistillConfig, check_self_distill_config, chunk_size, distill_loss
+from algorithms.selfdistill import (SelfDistillConfig, check_self_distill_config, chunk_size, distill_loss,
+                                    path_metrics)
 from algorithms.teacher import SelfTeacher
 from models.anatomy import final_hidden
 from models.export import export_model
@@ -229,20 +230,30 @@ class MASS:
         batch = rollout_batch(prompts, completions, tok.pad_token_id, ctx.device, [ex.uid for ex in examples])
         references, masks, focus = zip(*(self.views(ex, task, tok) for ex in examples))
         views = [[encode(tok, task.teacher_prompt(ex, r)) for r in refs] for ex, refs in zip(examples, references)]
+        diagnose = c.path_diagnostics and hasattr(task, "solution_path")
+        tokens, starts, width = [x.tokens for x in completions], [len(p) for p in prompts], batch.input_ids.shape[1]
         with self.teacher.weights(ctx.policy) as teacher:
-            hidden = teacher_hidden(teacher, views, [x.tokens for x in completions], [len(p) for p in prompts],
-                                    batch.input_ids.shape[1], c.teacher_batch_size, ctx.device)  # (B, T, K, H)
+            hidden = teacher_hidden(teacher, views, tokens, starts, width, c.teacher_batch_size, ctx.device)  # (B, T, K, H)
             batch.teacher = TeacherTerms(hidden, detached_head(teacher))
+            if diagnose:  # the full-reference teacher (OPSD's), for comparison only: not in the loss
+                full = teacher_hidden(teacher, [[encode(tok, task.teacher_prompt(ex, ex.solution))] for ex in examples],
+                                      tokens, starts, width, c.teacher_batch_size, ctx.device)
         batch.metrics, _ = rollout_metrics(task, tok, examples, completions, "rollout")
-        if c.gate or c.adaptive_masking:
-            self._gate_and_influence(batch, examples, list(masks), ctx)
+        kept = self._gate_and_influence(batch, examples, list(masks), ctx) if c.gate or c.adaptive_masking else None
         batch.metrics["mass/mask_focus"] = torch.tensor(sum(focus) / len(focus))
+        if diagnose:
+            sel = batch.loss_mask.bool()
+            batch.metrics.update(path_metrics(
+                task, tok, examples, tokens, batch, {"full": (full[sel], batch.teacher.head),
+                                                     "views": (hidden[sel], batch.teacher.head)},
+                c.temperature, c.aggregate, kept))
         return batch
 
     @torch.no_grad()
     def _gate_and_influence(self, batch: Batch, examples: Sequence[Any], masks: list[list[list[bool]]],
-                            ctx: RolloutContext) -> None:
-        """Token gate (into batch.token_weights) and influence updates, from one no-grad student pass."""
+                            ctx: RolloutContext) -> Optional[torch.Tensor]:
+        """Token gate (into batch.token_weights) and influence updates, from one no-grad student pass.
+        Returns the gate's keep flags over the completion tokens (N,), or None without the gate."""
         c = self.cfg
         sel = batch.loss_mask.bool()  # (B, T)
         hidden = final_hidden(ctx.policy, batch.input_ids, batch.attention_mask)
@@ -262,6 +273,8 @@ class MASS:
             weights[sel] = keep.float()
             batch.token_weights = weights
             batch.metrics["mass/kept_fraction"] = keep.float().mean()
+        else:
+            keep = None
         if c.adaptive_masking:
             row_of_token = torch.arange(len(batch), device=sel.device).unsqueeze(1).expand_as(sel)[sel]  # (N,)
             for b, ex in enumerate(examples):
@@ -269,6 +282,7 @@ class MASS:
                 if mine.any():
                     shift = stats["view_shift"][:, mine].mean(1).tolist()  # (K,)
                     self.influence.update(ex.uid, span_influence(masks[b], shift))
+        return keep
 
     def loss(self, model: nn.Module, micro: Batch, normaliser: torch.Tensor) -> StepOutput:
         return distill_loss(model, micro, normaliser, self.cfg, prefix=self.name)

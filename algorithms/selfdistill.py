@@ -10,7 +10,7 @@ weighted per token, summed and divided by the global token count.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 from torch import nn
@@ -41,6 +41,9 @@ class SelfDistillConfig(LoRAOptions):
     teacher_top_k: int = 0  # > 0: both distributions restricted to the teacher's top-k, renormalised
     loss_chunk_tokens: int = 0  # tokens per logits chunk in the loss; 0 = from the vocabulary size (~256 MiB of logits)
     teacher_batch_size: int = 32  # rows per no-grad teacher forward
+    # log paths/* (on / off the reference's solution path) when the task has several valid paths
+    # (`solution_path`, e.g. data=multipath); MASS pays one extra teacher pass per row for it
+    path_diagnostics: bool = True
     seed: int = 0
 
     def validate(self) -> None:
@@ -102,3 +105,79 @@ def distill_loss(model: nn.Module, micro: Batch, normaliser: torch.Tensor, cfg: 
     n = max(int(div.numel()), 1)
     metrics = {f"{prefix}/divergence": div.detach().sum() / n, f"{prefix}/weight": weights.detach().sum() / n}
     return StepOutput(loss, metrics, scatter_tokens(token_logp, sel))
+
+
+# ---------------------------------------------------------------------------------------------
+# Path diagnostics: does the teacher follow the student off the reference's path?
+
+
+def on_path_flags(task: Any, tokenizer: Any, tokens: Sequence[int], reference: str) -> list[bool]:
+    """Per completion token: True when it lies on the reference's path.
+
+    A task with several valid solution paths says which path a text takes (`task.solution_path`:
+    e.g. the order of its operations). Each line of the completion is on the reference's path when
+    the path written up to the end of that line is a prefix of the reference's path; a token belongs
+    to the line it ends in (the newline closes its line). Once a line leaves the path, every later
+    line is off it too (a longer path cannot return to a prefix).
+    """
+    want = list(task.solution_path(reference))
+    pieces = [tokenizer.decode([t], skip_special_tokens=True) for t in tokens]
+    text = "".join(pieces)
+    line_on, start = [], 0
+    while start <= len(text):  # the last line may lack its newline
+        end = text.find("\n", start)
+        end = len(text) if end < 0 else end + 1
+        path = list(task.solution_path(text[:end]))
+        line_on.append(path == want[: len(path)])
+        if end == len(text):
+            break
+        start = end
+    flags, line = [], 0
+    for piece in pieces:
+        flags.append(line_on[min(line, len(line_on) - 1)])
+        line += piece.count("\n")
+    return flags
+
+
+@torch.no_grad()
+def path_metrics(task: Any, tokenizer: Any, examples: Sequence[Any], completions: Sequence[Sequence[int]],
+                 batch: Batch, teachers: dict[str, tuple[torch.Tensor, Head]], temperature: float,
+                 aggregate: str = "mean", kept: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+    """Per-step diagnostics of the on / off reference-path split (empty when the task has no paths).
+
+    paths/differs: share of rollouts whose path differs from the reference's; paths/on_tokens: share
+    of completion tokens on the reference's path; for each teacher NAME (hidden states (N, K, H) over
+    the completion tokens `batch.loss_mask` selects, and the head they were made with)
+    paths/agree_NAME_on|off: how often that teacher's top token (its K views aggregated) is the token
+    the student sampled, on / off the path; with `kept` (N,) the gate's kept share on each side
+    (paths/kept_on|off). A side with no tokens in this batch is left out.
+    """
+    if not hasattr(task, "solution_path"):
+        return {}
+    flags, differs = [], []
+    for ex, tokens in zip(examples, completions):
+        row = on_path_flags(task, tokenizer, tokens, ex.solution)
+        flags.extend(row)
+        text = tokenizer.decode(list(tokens), skip_special_tokens=True)
+        differs.append(list(task.solution_path(text)) != list(task.solution_path(ex.solution)))
+    sel = batch.loss_mask.bool()
+    on = torch.tensor(flags, dtype=torch.bool, device=sel.device)
+    if on.numel() != int(sel.sum()):
+        raise ValueError(f"path_metrics: {on.numel()} token flags for {int(sel.sum())} completion tokens")
+    out = {"paths/differs": torch.tensor(sum(differs) / max(len(differs), 1)),
+           "paths/on_tokens": on.float().mean() if on.numel() else torch.tensor(0.0)}
+    sampled = batch.input_ids[sel]
+    for name, (hidden, head) in teachers.items():
+        top = []
+        for start in range(0, hidden.shape[0], 512):
+            views = losses.head_logp(hidden[start: start + 512].transpose(0, 1), head, temperature)  # (K, n, V)
+            top.append(losses.aggregate_views(views, aggregate).argmax(-1))
+        agree = (torch.cat(top) == sampled).float() if top else sampled.new_zeros(0).float()
+        for side, mask in (("on", on), ("off", ~on)):
+            if mask.any():
+                out[f"paths/agree_{name}_{side}"] = agree[mask].mean()
+    if kept is not None:
+        for side, mask in (("on", on), ("off", ~on)):
+            if mask.any():
+                out[f"paths/kept_{side}"] = kept[mask].float().mean()
+    return out

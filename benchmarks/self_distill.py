@@ -1,6 +1,7 @@
 """SFT-continued vs OPSD vs MASS vs TESD (and GRPO) from the same warm-started tiny model, same budget.
 
-Every run starts from the same embedded warm-started model (built with seed 0) and trains `--steps` steps
+Every run of a setting starts from the same embedded warm-started model (built with seed 0; the
+multipath setting has its own, warm-started on data=multipath) and trains `--steps` steps
 with each algorithm's own defaults (configs/algo/NAME.yaml; e.g. lr 1e-3 for SFT, 3e-5 for the
 self-distillation algorithms);
 the budget is steps x rollouts: OPSD and MASS sample `--batch` student rollouts per step, TESD
@@ -13,18 +14,26 @@ the setting's test split, before (step 0) and after training.
     python benchmarks/self_distill.py                          # 2 settings x 4 methods x 3 seeds
     python benchmarks/self_distill.py --methods opsd,mass --seeds 0 --steps 20
     python benchmarks/self_distill.py --methods grpo --settings arith --batch 64 --steps 100 \
-        --extra trainer.eval_every=20               # GRPO: 8 prompts x G=8, held-out curve every 20 steps
+        --eval-every 20                             # GRPO: 8 prompts x G=8, held-out curve every 20 steps
+    python benchmarks/self_distill.py --long --keep ~/runs/long   # 300 steps, eval every 25, 3 seeds,
+                                                    # sft/opsd/mass/tesd on arith and multipath; curves + PNG
 
-Prints a table (accuracy mean +- std over seeds, tokens/s, wall time, diagnostics); last line JSON.
+Prints a table (accuracy mean +- std over seeds, tokens/s, wall time, diagnostics), then with more
+than two evals per run the held-out curves (student and teacher prompt, mean +- std per eval step)
+and the path diagnostics; writes `self_distill.json` and, with matplotlib, `self_distill_curves.png`
+into the runs directory; last line JSON. A run that finished into the same `--keep` directory with
+the same overrides is reused.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,8 +42,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTINGS = {
     "arith": [],  # the embedded default: 2-digit operands, 2 chained operations
     "arith-hard": ["data.digits=3"],  # 3-digit operands: longer column working than the warm start saw
+    "multipath": ["data=multipath"],  # 3 gains / losses in any valid order: several valid solution paths
 }
-DIAGNOSTICS = ("rollout/reward", "mass/kept_fraction", "mass/view_disagreement", "mass/correction",
+# --long: the long setting (flags given on the command line win).
+LONG = {"steps": 300, "eval_every": 25, "seeds": "0,1,2", "methods": "sft,opsd,mass,tesd",
+        "settings": "arith,multipath"}
+PATH_DIAGNOSTICS = ("paths/differs", "paths/on_tokens", "paths/agree_full_on", "paths/agree_full_off",
+                    "paths/agree_views_on", "paths/agree_views_off", "paths/kept_on", "paths/kept_off")
+CURVE_KEYS = ("accuracy", "teacher_accuracy", "path_differs", "path_differs_correct", "teacher_path_differs")
+DIAGNOSTICS = PATH_DIAGNOSTICS + ("rollout/reward", "mass/kept_fraction", "mass/view_disagreement", "mass/correction",
                "tesd/reliability", "tesd/teacher_correct", "tesd/independence", "opsd/divergence", "mass/divergence",
                "tesd/divergence", "grpo/steps_correct", "grpo/answer_correct", "grpo/frac_zero_std")
 
@@ -54,17 +70,22 @@ def overrides(method: str, setting: str, seed: int, args, out: str) -> list[str]
             raise SystemExit(f"--batch {args.batch} must be divisible by --group {g}")
         batch = args.batch // g
         extra = [f"algo.num_generations={g}"]
-    return [f"+algo={method}", f"model.path={args.model_path}", *SETTINGS[setting], f"seed={seed}", f"output_dir={out}",
+    model = ["model=tiny_init"] if args.random_init else [f"model.path={args.model_paths[setting]}"]
+    eval_every = args.eval_every or args.steps
+    return [f"+algo={method}", *model, *SETTINGS[setting], f"seed={seed}", f"output_dir={out}",
             f"trainer.max_steps={args.steps}", f"trainer.batch_size={batch}",
             f"trainer.micro_batch_size={min(batch, args.micro)}", *([f"trainer.lr={args.lr}"] if args.lr else []),
-            f"trainer.warmup_steps={max(1, args.steps // 10)}", f"trainer.eval_every={args.steps}",
+            f"trainer.warmup_steps={max(1, args.steps // 10)}", f"trainer.eval_every={eval_every}",
             f"trainer.save_every={args.steps}", f"trainer.eval_examples={args.eval_examples}",
             "trainer.resume=never", "logging.wandb=false", "logging.progress=false", *extra, *args.extra]
 
 
 def run_one(job) -> dict:
     method, setting, seed, args, base = job
-    out = os.path.join(base, f"{setting}-{method}-{seed}")
+    argv = overrides(method, setting, seed, args, "OUT")
+    key = hashlib.sha256(json.dumps(argv).encode()).hexdigest()[:8]  # another setting of the flags: another run
+    out = os.path.join(base, f"{setting}-{method}-{seed}-{key}")
+    argv = [a.replace("output_dir=OUT", f"output_dir={out}") for a in argv]
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     started = time.perf_counter()
     done = os.path.join(out, "wall_s")
@@ -72,12 +93,12 @@ def run_one(job) -> dict:
         wall = float(open(done).read())
         proc = subprocess.CompletedProcess([], 0)
     else:
-        proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"),
-                               *overrides(method, setting, seed, args, out)], env=env, capture_output=True, text=True,
-                              cwd=ROOT)
+        shutil.rmtree(out, ignore_errors=True)  # an unfinished run starts over (train.py appends to metrics.jsonl)
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *argv], env=env, capture_output=True,
+                              text=True, cwd=ROOT)
         wall = time.perf_counter() - started
         if proc.returncode == 0:
-            with open(done, "w") as fh:
+            with open(done, "w") as fh:  # written last: the run's record that it finished
                 fh.write(str(wall))
     if proc.returncode != 0:
         raise SystemExit(f"{setting}/{method}/seed {seed} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
@@ -87,7 +108,15 @@ def run_one(job) -> dict:
     diag = {k: statistics.fmean(x[k] for x in train if k in x) for k in DIAGNOSTICS if any(k in x for x in train)}
     result = {"method": method, "setting": setting, "seed": seed, "before": evals[0]["accuracy"],
               "after": evals[-1]["accuracy"], "wall_s": wall, "curve": [(x["step"], x["accuracy"]) for x in evals],
+              "curves": {k: [(x["step"], x[k]) for x in evals if k in x] for k in CURVE_KEYS},
               "tokens_per_s": statistics.fmean(x["tokens_per_s"] for x in train), **diag}
+    # the path diagnostics over the first and the last quarter of the run: does the split move?
+    quarter = max(1, len(train) // 4)
+    for k in PATH_DIAGNOSTICS:
+        for part, rows in (("first", train[:quarter]), ("last", train[-quarter:])):
+            values = [x[k] for x in rows if k in x]
+            if values:
+                result[f"{k}@{part}"] = statistics.fmean(values)
     if "teacher_accuracy" in evals[0]:
         result["teacher_before"], result["teacher_after"] = evals[0]["teacher_accuracy"], evals[-1]["teacher_accuracy"]
     print(f"  {setting:10s} {method:5s} seed {seed}: {result['before']:.3f} -> {result['after']:.3f}  "
@@ -99,12 +128,63 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def curve_stats(rs: list[dict], key: str) -> dict[int, tuple[float, float]]:
+    """Mean and std over seeds of a curve, at the eval steps every seed has."""
+    curves = [dict(r["curves"].get(key, [])) for r in rs]
+    if not all(curves):
+        return {}
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    return {step: mean_std([c[step] for c in curves]) for step in steps}
+
+
+def plot(table: list[dict], path: str) -> bool:
+    """Held-out accuracy curves (mean +- std band over seeds; teacher prompt dashed), one panel per
+    setting, into `path`. False (and a note) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG (pip install matplotlib)")
+        return False
+    settings = list(dict.fromkeys(row["setting"] for row in table))
+    fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4.5), squeeze=False)
+    for ax, setting in zip(axes[0], settings):
+        for i, row in enumerate(r for r in table if r["setting"] == setting):
+            color = f"C{i}"
+            for key, style, label in (("accuracy", "-", row["method"]), ("teacher_accuracy", "--", None)):
+                curve = row["curves"].get(key, {})
+                if not curve:
+                    continue
+                steps = sorted(curve)
+                mean = [curve[s][0] for s in steps]
+                std = [curve[s][1] for s in steps]
+                ax.plot(steps, mean, style, color=color, label=label, alpha=1.0 if style == "-" else 0.6)
+                if style == "-":
+                    ax.fill_between(steps, [m - d for m, d in zip(mean, std)], [m + d for m, d in zip(mean, std)],
+                                    color=color, alpha=0.15)
+        ax.set_title(f"{setting}: held-out accuracy (dashed: teacher prompt)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("greedy accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    tmp = f"{path}.tmp.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--methods", default="sft,opsd,mass,tesd")
-    ap.add_argument("--settings", default=",".join(SETTINGS))
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--long", action="store_true",
+                    help=f"the long setting: {', '.join(f'{k}={v}' for k, v in LONG.items())} (explicit flags win)")
+    ap.add_argument("--methods", default=None, help="default sft,opsd,mass,tesd")
+    ap.add_argument("--settings", default=None, help=f"default arith,arith-hard; known: {', '.join(SETTINGS)}")
+    ap.add_argument("--seeds", default=None, help="default 0,1,2")
+    ap.add_argument("--steps", type=int, default=None, help="default 40")
+    ap.add_argument("--eval-every", type=int, default=None, help="held-out eval every N steps (default: start and end)")
     ap.add_argument("--batch", type=int, default=16, help="rollouts (or SFT examples) per step")
     ap.add_argument("--micro", type=int, default=16)
     ap.add_argument("--lr", type=float, default=None, help="one lr for all (default: each algorithm's own)")
@@ -114,19 +194,32 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
     ap.add_argument("--keep", default=None, help="directory for the runs (default: a temporary one)")
+    ap.add_argument("--random-init", action="store_true", help="random tiny models, no warm start (smoke tests)")
     args = ap.parse_args()
+    short = {"steps": 40, "eval_every": None, "seeds": "0,1,2", "methods": "sft,opsd,mass,tesd",
+             "settings": "arith,arith-hard"}
+    for key, value in (LONG if args.long else short).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     methods, settings = args.methods.split(","), args.settings.split(",")
+    unknown = [s for s in settings if s not in SETTINGS]
+    if unknown:
+        raise SystemExit(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(SETTINGS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
-    base = args.keep or tempfile.mkdtemp(prefix="self_distill_")
-    # One warm-started model for every run and seed (model.seed stays 0), built once.
+    base = os.path.expanduser(args.keep) if args.keep else tempfile.mkdtemp(prefix="self_distill_")
+    os.makedirs(base, exist_ok=True)
+    # One warm-started model per warm-up task for every run and seed (model.seed stays 0), built once.
     sys.path.insert(0, ROOT)
     from algorithms import config_schemas
     from trainer.config import load_config
     from trainer.distributed import World
     from trainer.warm_start import ensure
 
-    model_cfg = load_config(["+algo=sft", "model=tiny"], config_schemas()).model
-    args.model_path = ensure(model_cfg, World())
+    args.model_paths = {}
+    if not args.random_init:
+        for s in settings:
+            model_cfg = load_config(["+algo=sft", "model=tiny", *SETTINGS[s]], config_schemas()).model
+            args.model_paths[s] = ensure(model_cfg, World())
     jobs = [(m, s, seed, args, base) for s in settings for seed in seeds for m in methods]
     started = time.perf_counter()
     with ThreadPoolExecutor(args.workers) as pool:
@@ -135,6 +228,7 @@ def main() -> None:
           f"{args.steps} steps x {args.batch} rollouts each; accuracy on {args.eval_examples} held-out questions\n")
     print(f"{'setting':11s} {'method':6s} {'before':>7s} {'after (mean +- std)':>20s} {'tokens/s':>9s} {'wall s':>7s}  diagnostics")
     table = []
+    summary = DIAGNOSTICS[len(PATH_DIAGNOSTICS):] + ("teacher_before", "teacher_after")
     for s in settings:
         for m in methods:
             rs = [r for r in results if r["setting"] == s and r["method"] == m]
@@ -143,22 +237,50 @@ def main() -> None:
                    "after_mean": after, "after_std": std, "after_per_seed": [r["after"] for r in rs],
                    "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in rs),
                    "wall_s": statistics.fmean(r["wall_s"] for r in rs)}
-            for k in DIAGNOSTICS + ("teacher_before", "teacher_after"):
+            for k in DIAGNOSTICS + ("teacher_before", "teacher_after") + tuple(
+                    f"{k}@{part}" for k in PATH_DIAGNOSTICS for part in ("first", "last")):
                 if all(k in r for r in rs):
                     row[k] = statistics.fmean(r[k] for r in rs)
             curves = [dict(r["curve"]) for r in rs]
             steps = sorted(set.intersection(*(set(c) for c in curves)))
             row["curve"] = {step: statistics.fmean(c[step] for c in curves) for step in steps}
+            row["curves"] = {k: curve_stats(rs, k) for k in CURVE_KEYS if curve_stats(rs, k)}
             table.append(row)
-            diag = "  ".join(f"{k.split('/')[-1]}={row[k]:.3f}" for k in DIAGNOSTICS + ("teacher_before", "teacher_after")
-                             if k in row)
+            diag = "  ".join(f"{k.split('/')[-1]}={row[k]:.3f}" for k in summary if k in row)
             print(f"{s:11s} {m:6s} {row['before']:7.3f} {after:13.3f} +- {std:.3f} {row['tokens_per_s']:9.0f} "
                   f"{row['wall_s']:7.0f}  {diag}")
     for row in table:
-        if len(row["curve"]) > 2:  # trainer.eval_every below --steps (via --extra): the held-out curve
-            print(f"curve {row['setting']} {row['method']}: " +
-                  "  ".join(f"{step}:{acc:.3f}" for step, acc in row["curve"].items()))
-    print(json.dumps({"steps": args.steps, "rollouts_per_step": args.batch, "seeds": seeds, "table": table}))
+        student, teacher = row["curves"].get("accuracy", {}), row["curves"].get("teacher_accuracy", {})
+        if len(student) > 2:  # eval_every below --steps: the held-out curves
+            print(f"\ncurve {row['setting']} {row['method']} (held-out accuracy, mean +- std over {len(seeds)} seeds)")
+            print(f"  {'step':>5s} {'student':>15s} {'teacher prompt':>15s} {'path differs':>13s}")
+            differs = row["curves"].get("path_differs", {})
+            for step, (mean, std) in student.items():
+                t = f"{teacher[step][0]:.3f} +- {teacher[step][1]:.3f}" if step in teacher else ""
+                d = f"{differs[step][0]:.3f}" if step in differs else ""
+                print(f"  {step:5d} {mean:.3f} +- {std:.3f} {t:>15s} {d:>13s}")
+    path_rows = [row for row in table if any(k in row for k in PATH_DIAGNOSTICS)]
+    if path_rows:
+        print("\npath diagnostics (per train step, mean over the run | first quarter -> last quarter): teacher top "
+              "token = the student's sampled token, on / off the reference's path; kept = MASS's gate")
+        for row in path_rows:
+            cells = []
+            for k in PATH_DIAGNOSTICS:
+                if k in row:
+                    cells.append(f"{k.split('/')[-1]}={row[k]:.3f} ({row.get(k + '@first', float('nan')):.3f}->"
+                                 f"{row.get(k + '@last', float('nan')):.3f})")
+            print(f"  {row['setting']:10s} {row['method']:5s} " + "  ".join(cells))
+    record = {"steps": args.steps, "eval_every": args.eval_every, "rollouts_per_step": args.batch, "seeds": seeds,
+              "table": table}
+    out = os.path.join(base, "self_distill.json")
+    with open(out + ".tmp", "w") as fh:
+        json.dump(record, fh, indent=1)
+    os.replace(out + ".tmp", out)
+    png = os.path.join(base, "self_distill_curves.png")
+    if any(len(row["curves"].get("accuracy", {})) > 1 for row in table) and plot(table, png):
+        print(f"\ncurves: {png}")
+    print(f"results: {out}")
+    print(json.dumps(record))
 
 
 if __name__ == "__main__":

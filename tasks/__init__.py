@@ -3,13 +3,15 @@ tasks; tasks import nothing of theirs (only `models.tokenizer` for the embedded 
 
     from tasks import build_task
     task = build_task("arith", seed=0, digits=3, steps=2)          # the embedded task
+    task = build_task("multipath", seed=0, digits=2, steps=3)      # arith whose operations go in any order
     task = build_task("text", path="data/train.jsonl", test_fraction=0.1)
     task = build_task("artifacts", seed=0, n_artifacts=4)               # table lookups (single/select/combine)
     task = build_task("clm", seed=0, budget=200)                 # context-management episodes (ContextEnv)
     result = task.verify(example, completion)                    # VerifyResult; score(result, mode)
 
 Modules: `base` (Example, VerifyResult, score, extract_answer, answers_equal, mask_spans),
-`arith` (ArithTask and its worked-solution format), `artifacts` (ArtifactTask: lookups in named
+`arith` (ArithTask and its worked-solution format), `multipath` (MultiPathTask: arith problems
+with several valid solution orders, verified step by step in any valid order), `artifacts` (ArtifactTask: lookups in named
 tables, each a separate prompt artifact), `clm` (ClmTask, ContextEnv, Episode: episodes in which the
 model keeps its own context file within a token budget; the file format is `context_file`), `text`
 (TextTask: JSONL / Parquet / CSV / saved datasets / hub; rows may carry an `artifacts` list). No
@@ -22,6 +24,7 @@ import os
 from typing import Any, Callable
 
 from tasks.arith import ArithTask
+from tasks.multipath import MultiPathTask
 from tasks.artifacts import ArtifactTask, kind_of
 from tasks.clm import ClmTask, ContextEnv, Episode, EpisodeError, scripted_output
 from tasks.context_file import TINY_FORMAT, Action, ContextFile, ContextFormat, Turn, parse_action
@@ -40,7 +43,7 @@ from tasks.base import (
 from tasks.text import TextTask
 
 TASKS: dict[str, Callable[..., Task]] = {"arith": ArithTask, "artifacts": ArtifactTask, "clm": ClmTask,
-                                         "text": TextTask}
+                                         "multipath": MultiPathTask, "text": TextTask}
 # Named user datasets: a preset is TextTask keyword arguments the caller may override.
 PRESETS: dict[str, dict[str, Any]] = {
     "gsm8k": dict(path="openai/gsm8k", hub_config="main", solution_field="answer", answer_field=None,
@@ -49,7 +52,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def build_task(name: str, **kwargs: Any) -> Task:
-    """A task by name: "arith", "artifacts", "clm", "text" (kwargs give `path`, ...), a preset, or an existing local path."""
+    """A task by name: "arith", "multipath", "artifacts", "clm", "text" (kwargs give `path`, ...), a preset, or an existing local path."""
     if name in TASKS:
         return TASKS[name](**kwargs)
     if name in PRESETS:
@@ -61,7 +64,7 @@ def build_task(name: str, **kwargs: Any) -> Task:
 
 __all__ = [
     "Action", "ArithTask", "ArtifactTask", "ClmTask", "ContextEnv", "ContextFile", "ContextFormat", "DataError",
-    "Episode", "EpisodeError", "Example", "HasArtifacts", "Segments", "PRESETS", "TASKS", "Task",
+    "Episode", "EpisodeError", "Example", "HasArtifacts", "MultiPathTask", "Segments", "PRESETS", "TASKS", "Task",
     "TINY_FORMAT", "TextTask", "Turn", "VerifyResult", "answers_equal", "build_task", "extract_answer", "kind_of",
     "mask_spans", "parse_action", "score", "scripted_output",
 ]

@@ -171,8 +171,10 @@ def parse_steps(solution: str) -> list[tuple[Step, int | None]]:
     return out
 
 
-def check_working(completion: str, expected: Sequence[Step]) -> tuple[int, int]:
-    """(steps_total, steps_correct) of a completion's working, as defined in the module docstring."""
+def check_lines(completion: str) -> tuple[int, int, list[tuple[Step, int | None]]]:
+    """(checks, right, written steps) of a completion's working lines, without the chain: per step
+    line its columns and composite, every other equation arithmetically (module docstring).
+    Written steps are (header step, written composite result or None), in order."""
     total = correct = 0
     written: list[tuple[Step, int | None]] = []
     for line in completion.split(ANSWER_MARKER, 1)[0].split("\n"):
@@ -190,12 +192,23 @@ def check_working(completion: str, expected: Sequence[Step]) -> tuple[int, int]:
         expr = f"{step.a}{step.op}{step.b}"
         correct += composite is not None and composite[1] == expr and composite[2] == step.result()
         written.append((step, composite[2] if composite else None))
+    return total, correct, written
+
+
+def check_working(completion: str, expected: Sequence[Step]) -> tuple[int, int]:
+    """(steps_total, steps_correct) of a completion's working, as defined in the module docstring."""
+    total, correct, written = check_lines(completion)
     total += max(len(expected), len(written))
     prev = expected[0].a if expected else None
     for want, (got, result) in zip(expected, written):
         correct += got == Step(prev, want.op, want.b)
         prev = result
     return total, correct
+
+
+def solution_path(text: str) -> list[tuple[str, int]]:
+    """The path a solution (or completion) takes: (op, operand) of each step line, in order."""
+    return [(step.op, step.b) for step, _ in parse_steps(text)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,8 +268,8 @@ class ArithTask:
     def _generate(self) -> tuple[list[Example], list[Example]]:
         """Test first (distinct problems), then train skipping every test problem. Cached."""
         if self._splits is None:
-            test_rng = random.Random(f"arith-{self.seed}-test")
-            train_rng = random.Random(f"arith-{self.seed}-train")
+            test_rng = random.Random(f"{self.name}-{self.seed}-test")
+            train_rng = random.Random(f"{self.name}-{self.seed}-train")
             test = self._sample(test_rng, self.n_test, exclude=set(), unique=True, split="test")
             held_out = {self._key(ex) for ex in test}
             train = self._sample(train_rng, self.n_train, exclude=held_out, unique=False, split="train")
@@ -270,18 +283,14 @@ class ArithTask:
             if len(out) == n:
                 break
             steps = self._problem(rng)
-            key = (steps[0].a,) + tuple((s.op, s.b) for s in steps)
+            key = self._problem_key(steps)
             if key in seen:
                 continue
             if unique:
                 seen.add(key)
-            name, pronoun = rng.choice(NAMES)
-            item = rng.choice(ITEMS)
-            actions = ", then ".join(rng.choice(PHRASES[s.op]).format(n=s.b) for s in steps)
-            question = f"{name} has {steps[0].a} {item}. {pronoun} {actions}. how many {item}?"
-            out.append(Example(question, format_solution(steps), str(steps[-1].result()), f"arith-{split}-{len(out)}"))
+            out.append(self._example(rng, steps, f"{self.name}-{split}-{len(out)}"))
         if len(out) < n:
-            raise DataError(f"arith: could only make {len(out)} of {n} distinct {split} problems with "
+            raise DataError(f"{self.name}: could only make {len(out)} of {n} distinct {split} problems with "
                             f"digits={self.digits}, steps={self.steps}, ops={self.ops}; raise digits or steps")
         return out
 
@@ -301,10 +310,21 @@ class ArithTask:
             value = steps[-1].result()
         return steps
 
+    def _example(self, rng: random.Random, steps: list[Step], uid: str) -> Example:
+        """The word problem of `steps` and its worked solution (the operations in question order)."""
+        name, pronoun = rng.choice(NAMES)
+        item = rng.choice(ITEMS)
+        actions = ", then ".join(rng.choice(PHRASES[s.op]).format(n=s.b) for s in steps)
+        question = f"{name} has {steps[0].a} {item}. {pronoun} {actions}. how many {item}?"
+        return Example(question, format_solution(steps), str(steps[-1].result()), uid)
+
     @staticmethod
-    def _key(ex: Example) -> tuple:
-        steps = [s for s, _ in parse_steps(ex.solution)]
+    def _problem_key(steps: Sequence[Step]) -> tuple:
+        """What makes two problems the same (train and test never share one)."""
         return (steps[0].a,) + tuple((s.op, s.b) for s in steps)
+
+    def _key(self, ex: Example) -> tuple:
+        return self._problem_key([s for s, _ in parse_steps(ex.solution)])
 
     # -- prompts, spans, verification ---------------------------------------------------------
 
@@ -317,6 +337,10 @@ class ArithTask:
     def solution_spans(self, solution: str) -> list[str]:
         """One span per step line, then the answer line."""
         return split_lines(solution)
+
+    def solution_path(self, text: str) -> list[tuple[str, int]]:
+        """(op, operand) per step line: the order in which a solution applies the question's operations."""
+        return solution_path(text)
 
     def verify(self, example: Example, completion: str) -> VerifyResult:
         answer = extract_answer(completion)

@@ -201,5 +201,5 @@ def test_bad_warm_start_task_is_one_line():
     from algorithms import config_schemas
     from trainer.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"^model.warm_start_task=gsm8k is not one of auto, arith, artifacts, clm$"):
+    with pytest.raises(ConfigError, match=r"^model.warm_start_task=gsm8k is not one of auto, arith, multipath, artifacts, clm$"):
         load_config(["+algo=sft", "model.warm_start_task=gsm8k"], config_schemas())

@@ -61,6 +61,7 @@ GROUP_OVERRIDES = {
     ("model", "tiny_init"): {"name": "tiny_init"},
     ("model", "hf"): {"name": "hf"},
     ("data", "text"): {"name": "text"},
+    ("data", "multipath"): {"name": "multipath"},
     ("data", "artifacts"): {"name": "artifacts", "kinds": {"single": 1.0, "select": 1.0, "combine": 1.0}},
     ("data", "clm"): {"name": "clm", "n_train": 2000, "n_test": 100, "kinds": {"kv": 1.0, "chain": 1.0}},
     ("backend", "single"): {"name": "single"},

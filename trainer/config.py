@@ -54,9 +54,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "arith"  # arith | artifacts | text
+    name: str = "arith"  # arith | multipath | artifacts | clm | text
     seed: int = 0
-    # arith knobs (n_train, n_test, seed and the templates are read by artifacts too)
+    # arith and multipath knobs (n_train, n_test, seed and the templates are read by artifacts too)
     n_train: int = 20000
     n_test: int = 200  # artifacts: per kind, in each of the in-domain and held-out test splits
     digits: int = 2
@@ -251,11 +251,11 @@ def _describe(err: Exception) -> str:
 
 CHOICES = {
     "backend.name": ("auto", "single", "ddp", "fsdp", "deepspeed"),
-    "data.name": ("arith", "artifacts", "clm", "text"),
+    "data.name": ("arith", "multipath", "artifacts", "clm", "text"),
     "data.view": ("episodes", "calls"),
     "data.on_bad_row": ("error", "skip"),
     "model.dtype": ("float32", "bfloat16", "float16"),
-    "model.warm_start_task": ("auto", "arith", "artifacts", "clm"),
+    "model.warm_start_task": ("auto", "arith", "multipath", "artifacts", "clm"),
 }
 
 

@@ -43,7 +43,12 @@ WARM_DATA_ARTIFACTS = {"seed": 0, "n_train": 40000, "n_test": 200, "n_artifacts"
 # are never demonstrated).
 WARM_DATA_CLM = {"seed": 0, "n_train": 2000, "n_test": 100, "kinds": {"kv": 1.0, "chain": 1.0}, "budget": 200,
                  "view": "calls"}
-WARM_TASK_DATA = {"arith": WARM_DATA, "artifacts": WARM_DATA_ARTIFACTS, "clm": WARM_DATA_CLM}
+# The multipath warm-up: the default data=multipath train split (same seed, so its held-out questions are
+# never trained on); each problem's reference is one valid order drawn at random, so the warm model
+# sees every order.
+WARM_DATA_MULTIPATH = {"seed": 0, "n_train": 20000, "n_test": 200, "digits": 2, "steps": 2, "ops": ["+", "-"]}
+WARM_TASK_DATA = {"arith": WARM_DATA, "multipath": WARM_DATA_MULTIPATH, "artifacts": WARM_DATA_ARTIFACTS,
+                  "clm": WARM_DATA_CLM}
 WARM_START_TASKS = ("auto",) + tuple(WARM_TASK_DATA)
 # Recipe numbers per warm-start task, taken by the model.warm_start_* keys left null (configs/model/tiny.yaml).
 # arith: the original recipe (300 steps, ~5.5 min on 2 CPU cores). artifacts: plain SFT (no reference
@@ -52,6 +57,7 @@ WARM_START_TASKS = ("auto",) + tuple(WARM_TASK_DATA)
 # (docs/clm.md).
 WARM_NUMBERS = {
     "arith": {"steps": 300, "lr": 3e-3, "batch_size": 64, "reference_fraction": 0.5},
+    "multipath": {"steps": 300, "lr": 3e-3, "batch_size": 64, "reference_fraction": 0.5},
     "artifacts": {"steps": 3000, "lr": 3e-3, "batch_size": 32, "reference_fraction": 0.0},
     "clm": {"steps": 2000, "lr": 3e-3, "batch_size": 32, "reference_fraction": 0.0},
 }

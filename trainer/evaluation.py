@@ -19,17 +19,21 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequen
 
     `prompt` maps an example to its prompt text (default: the task's student prompt; the
     self-distillation algorithms also measure the teacher prompt, which carries the reference).
-    Returns accuracy (final answer right), step_accuracy (share of checkable steps right) and n.
+    Returns accuracy (final answer right), step_accuracy (share of checkable steps right) and n; on a
+    task with several valid solution paths (`task.solution_path`, e.g. multipath) also path_differs
+    (share of completions whose path is not the reference's) and path_differs_correct (share of the
+    right answers reached through fully right working on another path than the reference's).
     `engine_config` configures the inference Engine (None: its defaults). `generate` replaces the
     engine: examples -> greedy completion ids (an algorithm that serves its artifact another way,
     e.g. attuner over the position-independent cache).
     """
     prompt = prompt or task.prompt
     mine = list(examples)[world.rank :: world.size]
-    engine = Engine(model, engine_config)
+    engine = Engine(model, engine_config) if generate is None else None
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                             stop_token_ids=(tokenizer.eos_token_id,))
-    correct = steps_ok = steps_total = 0
+    correct = steps_ok = steps_total = differs = full_marks = differs_full = 0
+    paths = hasattr(task, "solution_path")
     for start in range(0, len(mine), EVAL_BATCH):
         chunk = mine[start : start + EVAL_BATCH]
         if generate is not None:
@@ -38,10 +42,21 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequen
             prompts = [tokenizer(prompt(ex), add_special_tokens=False).input_ids for ex in chunk]
             outs = [out.tokens for out in engine.generate(prompts, params)]
         for ex, tokens in zip(chunk, outs):
-            result = task.verify(ex, tokenizer.decode(tokens, skip_special_tokens=True))
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            result = task.verify(ex, text)
             correct += int(result.correct)
             steps_ok += result.steps_correct
             steps_total += result.steps_total
-    counts = world.all_reduce_sum(torch.tensor([correct, steps_ok, steps_total, len(mine)], dtype=torch.float64))
-    correct, steps_ok, steps_total, n = counts.tolist()
-    return {"accuracy": correct / max(n, 1), "step_accuracy": steps_ok / max(steps_total, 1), "n": int(n)}
+            if paths:
+                other = list(task.solution_path(text)) != list(task.solution_path(ex.solution))
+                differs += other
+                full_marks += result.reward == 1.0
+                differs_full += other and result.reward == 1.0
+    counts = world.all_reduce_sum(torch.tensor([correct, steps_ok, steps_total, len(mine), differs, full_marks,
+                                                differs_full], dtype=torch.float64))
+    correct, steps_ok, steps_total, n, differs, full_marks, differs_full = counts.tolist()
+    out = {"accuracy": correct / max(n, 1), "step_accuracy": steps_ok / max(steps_total, 1), "n": int(n)}
+    if paths:
+        out["path_differs"] = differs / max(n, 1)
+        out["path_differs_correct"] = differs_full / max(full_marks, 1)
+    return out

@@ -211,6 +211,8 @@ def run_eval(s: Session) -> dict:
         teacher = evaluate(model, s.tokenizer, s.task, examples, s.world, t.eval_max_new_tokens,
                            prompt=lambda ex: s.task.teacher_prompt(ex, ex.solution), engine_config=engine)
         result["teacher_accuracy"] = teacher["accuracy"]
+        if "path_differs" in teacher:  # how closely the teacher follows the reference's path
+            result["teacher_path_differs"] = teacher["path_differs"]
     drafter = s.caps.evaluate_drafter
     if drafter is not None and s.world.is_main:  # e.g. SEED: mean tokens per verify forward, greedy
         result.update(drafter(model, s.tokenizer, s.task, examples[:DRAFTER_EVAL_EXAMPLES], t.eval_max_new_tokens))

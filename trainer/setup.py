@@ -44,8 +44,8 @@ def build_task_from(data: DataConfig, model: ModelConfig | None = None):
     tiny = model is None or model.path is None
     templates = {k: v for k, v in (("prompt_template", data.prompt_template),
                                    ("teacher_template", data.teacher_template)) if v is not None}
-    if data.name == "arith":
-        return build_task("arith", seed=data.seed, n_train=data.n_train, n_test=data.n_test, digits=data.digits,
+    if data.name in ("arith", "multipath"):
+        return build_task(data.name, seed=data.seed, n_train=data.n_train, n_test=data.n_test, digits=data.digits,
                           steps=data.steps, ops=tuple(data.ops), check_charset=tiny, **templates)
     if data.name == "artifacts":
         return build_task("artifacts", seed=data.seed, n_train=data.n_train, n_test=data.n_test,

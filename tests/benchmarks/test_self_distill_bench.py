@@ -1,0 +1,51 @@
+"""benchmarks/self_distill.py's long setting, shrunk to a smoke run: random tiny models, 2 steps with an
+eval after each, 2 seeds of OPSD and MASS on the multipath task. Checks what the long setting reports
+(the curves per eval step over seeds, the teacher-prompt curve, the path diagnostics), the JSON and
+PNG it writes, and that a rerun into the same directory reuses the finished runs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def test_long_setting_smoke(tmp_path):
+    pytest.importorskip("matplotlib")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "self_distill.py"), "--long", "--random-init", "--steps", "2",
+           "--eval-every", "1", "--seeds", "0,1", "--methods", "opsd,mass", "--settings", "multipath", "--batch", "4",
+           "--micro", "4", "--eval-examples", "4", "--keep", str(tmp_path), "--extra", "trainer.max_new_tokens=24",
+           "trainer.eval_max_new_tokens=24"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert record["steps"] == 2 and record["eval_every"] == 1 and record["seeds"] == [0, 1]
+    rows = {row["method"]: row for row in record["table"]}
+    assert set(rows) == {"opsd", "mass"}
+    for row in rows.values():
+        for key in ("accuracy", "teacher_accuracy", "path_differs"):
+            curve = row["curves"][key]
+            assert sorted(int(s) for s in curve) == [0, 1, 2], key  # mean, std over the 2 seeds per eval step
+            assert all(len(v) == 2 and 0.0 <= v[0] <= 1.0 for v in curve.values())
+        assert len(row["after_per_seed"]) == 2
+        assert 0.0 <= row["paths/differs"] <= 1.0
+        assert "paths/agree_full_on" in row or "paths/agree_full_off" in row
+    assert "paths/kept_on" in rows["mass"] or "paths/kept_off" in rows["mass"]
+    assert "curve multipath mass" in proc.stdout and "path diagnostics" in proc.stdout
+    assert json.load(open(tmp_path / "self_distill.json")) == record
+    png = tmp_path / "self_distill_curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a rerun reuses every finished run: same results, no run started again
+    finished = sorted(p for p in os.listdir(tmp_path) if p.startswith("multipath-"))
+    assert len(finished) == 4
+    stamps = {p: os.path.getmtime(tmp_path / p / "wall_s") for p in finished}
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads(again.stdout.strip().splitlines()[-1])["table"] == record["table"]
+    assert {p: os.path.getmtime(tmp_path / p / "wall_s") for p in finished} == stamps
