@@ -17,6 +17,8 @@ the setting's test split, before (step 0) and after training.
         --eval-every 20                             # GRPO: 8 prompts x G=8, held-out curve every 20 steps
     python benchmarks/self_distill.py --long --keep ~/runs/long   # 300 steps, eval every 25, 3 seeds,
                                                     # sft/opsd/mass/tesd on arith and multipath; curves + PNG
+    python benchmarks/self_distill.py --long --settings multipath --methods mass-m67 \
+        --variant mass-m67=mass:algo.mask_ratio=0.67  # a configured variant as a method row of its own
 
 Prints a table (accuracy mean +- std over seeds, tokens/s, wall time, diagnostics), then with more
 than two evals per run the held-out curves (student and teacher prompt, mean +- std per eval step)
@@ -55,7 +57,20 @@ DIAGNOSTICS = PATH_DIAGNOSTICS + ("rollout/reward", "mass/kept_fraction", "mass/
                "tesd/divergence", "grpo/steps_correct", "grpo/answer_correct", "grpo/frac_zero_std")
 
 
+def parse_variants(specs: list[str]) -> dict[str, tuple[str, list[str]]]:
+    """--variant LABEL=ALGO:KEY=VALUE,KEY=VALUE -> {LABEL: (ALGO, overrides)}: a method row of its own."""
+    out = {}
+    for spec in specs:
+        label, sep, rest = spec.partition("=")
+        algo, colon, keys = rest.partition(":")
+        if not sep or not label or not algo:
+            raise SystemExit(f"--variant {spec!r}: expected LABEL=ALGO:KEY=VALUE[,KEY=VALUE...]")
+        out[label] = (algo, [k for k in keys.split(",") if k] if colon else [])
+    return out
+
+
 def overrides(method: str, setting: str, seed: int, args, out: str) -> list[str]:
+    method, variant = args.variants.get(method, (method, []))
     batch = args.batch
     extra = []
     if method == "tesd":
@@ -77,7 +92,7 @@ def overrides(method: str, setting: str, seed: int, args, out: str) -> list[str]
             f"trainer.micro_batch_size={min(batch, args.micro)}", *([f"trainer.lr={args.lr}"] if args.lr else []),
             f"trainer.warmup_steps={max(1, args.steps // 10)}", f"trainer.eval_every={eval_every}",
             f"trainer.save_every={args.steps}", f"trainer.eval_examples={args.eval_examples}",
-            "trainer.resume=never", "logging.wandb=false", "logging.progress=false", *extra, *args.extra]
+            "trainer.resume=never", "logging.wandb=false", "logging.progress=false", *extra, *args.extra, *variant]
 
 
 def run_one(job) -> dict:
@@ -193,6 +208,9 @@ def main() -> None:
     ap.add_argument("--eval-examples", type=int, default=200)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="LABEL=ALGO:KEY=VALUE,... a method of its own (name LABEL in --methods), e.g. "
+                         "mass-m67=mass:algo.mask_ratio=0.67")
     ap.add_argument("--keep", default=None, help="directory for the runs (default: a temporary one)")
     ap.add_argument("--random-init", action="store_true", help="random tiny models, no warm start (smoke tests)")
     args = ap.parse_args()
@@ -202,6 +220,7 @@ def main() -> None:
         if getattr(args, key) is None:
             setattr(args, key, value)
     methods, settings = args.methods.split(","), args.settings.split(",")
+    args.variants = parse_variants(args.variant)
     unknown = [s for s in settings if s not in SETTINGS]
     if unknown:
         raise SystemExit(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(SETTINGS)}")

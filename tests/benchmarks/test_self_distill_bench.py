@@ -13,9 +13,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.slow
-
-
+@pytest.mark.slow
 def test_long_setting_smoke(tmp_path):
     pytest.importorskip("matplotlib")
     cmd = [sys.executable, str(ROOT / "benchmarks" / "self_distill.py"), "--long", "--random-init", "--steps", "2",
@@ -49,3 +47,22 @@ def test_long_setting_smoke(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads(again.stdout.strip().splitlines()[-1])["table"] == record["table"]
     assert {p: os.path.getmtime(tmp_path / p / "wall_s") for p in finished} == stamps
+
+
+def test_variants_are_methods_of_their_own():
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import self_distill as bench
+
+    variants = bench.parse_variants(["mass-m67=mass:algo.mask_ratio=0.67,algo.num_views=8", "plain=opsd"])
+    assert variants == {"mass-m67": ("mass", ["algo.mask_ratio=0.67", "algo.num_views=8"]), "plain": ("opsd", [])}
+    args = argparse.Namespace(variants=variants, batch=16, micro=16, teacher_rollouts=3, group=8, random_init=True,
+                              eval_every=25, steps=300, lr=None, eval_examples=200, extra=[])
+    argv = bench.overrides("mass-m67", "multipath", 0, args, "OUT")
+    assert argv[0] == "+algo=mass" and argv[-2:] == ["algo.mask_ratio=0.67", "algo.num_views=8"]
+    assert "data=multipath" in argv and "trainer.eval_every=25" in argv
+    assert bench.overrides("mass", "multipath", 0, args, "OUT") == argv[:-2]  # the plain method is unchanged
+    for bad in ("nolabel", "=mass:x=1", "label="):
+        with pytest.raises(SystemExit, match="expected LABEL=ALGO"):
+            bench.parse_variants([bad])
