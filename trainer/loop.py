@@ -157,7 +157,7 @@ def train_step(s: Session, batch: Batch) -> dict:
     if gaps:  # the rollout-vs-trainer log-prob gap: must stay ~0 for on-policy algorithms
         metric_sums["rollout/logprob_gap"] = torch.stack(gaps).mean()
     local_tokens = batch.attention_mask.sum().cpu()
-    reduced = _mean_over_ranks(world, {"loss": loss_sum, "tokens": local_tokens, **metric_sums})  # one collective
+    reduced = _mean_over_ranks(world, {"loss": loss_sum, "tokens": local_tokens, **metric_sums})
     tokens = round(reduced.pop("tokens") * world.size)
     return {"step": s.step, "split": "train", **reduced, "grad_norm": grad_norm, "lr": backend.lr, "tokens": tokens}
 
@@ -170,12 +170,18 @@ def zero_weight(micro: Batch) -> Batch:
 
 
 def _mean_over_ranks(world: World, values: dict[str, torch.Tensor]) -> dict[str, float]:
-    if not values:
-        return {}
+    """Each metric's mean over the ranks that report it. A metric may be missing on some ranks (e.g. a
+    diagnostic of tokens one rank's rollouts do not have), so under torchrun the ranks first agree on
+    the union of their keys; one reduction then sums the values and counts the ranks reporting each."""
     keys = sorted(values)
-    stacked = torch.stack([torch.as_tensor(values[k], dtype=torch.float64) for k in keys])
-    means = (world.all_reduce_sum(stacked) / world.size).tolist()
-    return dict(zip(keys, means))
+    if world.distributed:
+        keys = sorted(set().union(*world.gather_objects(keys)))
+    if not keys:
+        return {}
+    stacked = torch.tensor([[float(values[k]) if k in values else 0.0 for k in keys],
+                            [1.0 if k in values else 0.0 for k in keys]], dtype=torch.float64)
+    sums, counts = world.all_reduce_sum(stacked).tolist()
+    return {k: total / count for k, total, count in zip(keys, sums, counts) if count}
 
 
 def _check_finite(s: Session, loss: torch.Tensor, micro_index: int, micro: Batch) -> None:

@@ -243,3 +243,29 @@ def test_engine_compile_key_runs_eval_through_the_compiled_decoder(tmp_path):
         assert status == "done"
         evals[name] = [(r["accuracy"], r["step_accuracy"], r["n"]) for r in _records(out, "eval")]
     assert evals["compiled"] == evals["eager"] and len(evals["eager"]) == 2
+
+
+@pytest.mark.slow  # 2-rank torchrun: a few seconds
+def test_metrics_some_ranks_lack_are_averaged_over_the_ranks_that_report_them(subprocess_env):
+    """A diagnostic may be missing on one rank (e.g. paths/agree_*_off when that rank's rollouts never
+    leave the reference's path): the ranks must not stack different key lists into one reduction."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "trainer" / "mean_worker.py")]
+    proc = subprocess.run(cmd, env=subprocess_env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert rows[0] == {"loss": 1.5, "shared": 15.0, "only_0": 5.0, "only_1": 6.0, "extra": 7.0}
+
+
+def test_metric_mean_in_one_process_is_the_value():
+    from trainer.distributed import World
+    from trainer.loop import _mean_over_ranks
+
+    assert _mean_over_ranks(World(), {"b": torch.tensor(2.5), "a": 1.0}) == {"a": 1.0, "b": 2.5}
+    assert _mean_over_ranks(World(), {}) == {}
