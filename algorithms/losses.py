@@ -232,10 +232,12 @@ def self_distill_diagnostics(student_in: Tensor, student_head: Optional[Head], t
     """No-grad per-token statistics of K teacher views against the student, chunked over tokens.
 
     Returns (N,) tensors `disagreement` (mean pairwise JSD of the views), `correction` (teacher mass
-    the student under-weights), `divergence` (JSD(1/2) student vs aggregate), and (K, N)
-    `view_shift` (JSD(1/2) of each view against the aggregate: how much that view's masking moved it).
+    the student under-weights), `divergence` (JSD(1/2) student vs aggregate), `teacher_top` (the
+    aggregate's top token), and (K, N) `view_shift` (JSD(1/2) of each view against the aggregate: how
+    much that view's masking moved it).
     """
-    parts: dict[str, list[Tensor]] = {"disagreement": [], "correction": [], "divergence": [], "view_shift": []}
+    parts: dict[str, list[Tensor]] = {"disagreement": [], "correction": [], "divergence": [], "teacher_top": [],
+                                      "view_shift": []}
     for start in range(0, teacher_hidden.shape[0], chunk):
         sl = slice(start, start + chunk)
         student_logp = head_logp(student_in[sl], student_head, temperature)  # (n, V)
@@ -244,12 +246,25 @@ def self_distill_diagnostics(student_in: Tensor, student_head: Optional[Head], t
         parts["disagreement"].append(view_disagreement(views))
         parts["correction"].append(correction_mass(student_logp, teacher_logp))
         parts["divergence"].append(generalized_jsd(student_logp, teacher_logp, 0.5))
+        parts["teacher_top"].append(teacher_logp.argmax(-1))
         parts["view_shift"].append(generalized_jsd(views, teacher_logp.unsqueeze(0).expand_as(views), 0.5))
     k = teacher_hidden.shape[1]
     if not parts["disagreement"]:
         z = teacher_hidden.new_zeros(0, dtype=torch.float32)
-        return {"disagreement": z, "correction": z, "divergence": z, "view_shift": z.new_zeros(k, 0)}
+        return {"disagreement": z, "correction": z, "divergence": z, "teacher_top": z.long(),
+                "view_shift": z.new_zeros(k, 0)}
     return {name: torch.cat(v, dim=-1) for name, v in parts.items()}
+
+
+@torch.no_grad()
+def teacher_top_tokens(teacher_hidden: Tensor, teacher_head: Head, *, temperature: float = 1.0,
+                       aggregate: str = "mean", chunk: int = 512) -> Tensor:
+    """(N,) the top token of the teacher's K views aggregated, from (N, K, H) hidden states, chunked
+    over tokens (the `teacher_top` of `self_distill_diagnostics` without the student side)."""
+    tops = [aggregate_views(head_logp(teacher_hidden[start: start + chunk].transpose(0, 1), teacher_head,
+                                      temperature), aggregate).argmax(-1)
+            for start in range(0, teacher_hidden.shape[0], chunk)]
+    return torch.cat(tops) if tops else teacher_hidden.new_zeros(0, dtype=torch.long)
 
 
 def _token_logp_chunk(features: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], targets: Tensor,

@@ -239,21 +239,26 @@ class MASS:
                 full = teacher_hidden(teacher, [[encode(tok, task.teacher_prompt(ex, ex.solution))] for ex in examples],
                                       tokens, starts, width, c.teacher_batch_size, ctx.device)
         batch.metrics, _ = rollout_metrics(task, tok, examples, completions, "rollout")
-        kept = self._gate_and_influence(batch, examples, list(masks), ctx) if c.gate or c.adaptive_masking else None
+        kept, views_top = (self._gate_and_influence(batch, examples, list(masks), ctx) if c.gate or c.adaptive_masking
+                           else (None, None))
         batch.metrics["mass/mask_focus"] = torch.tensor(sum(focus) / len(focus))
         if diagnose:
-            sel = batch.loss_mask.bool()
-            batch.metrics.update(path_metrics(
-                task, tok, examples, tokens, batch, {"full": (full[sel], batch.teacher.head),
-                                                     "views": (hidden[sel], batch.teacher.head)},
-                c.temperature, c.aggregate, kept))
+            sel, head = batch.loss_mask.bool(), batch.teacher.head
+            chunk = chunk_size(c, head, batch)
+            if views_top is None:  # no gate statistics were computed: the aggregated views' top token here
+                views_top = losses.teacher_top_tokens(hidden[sel], head, temperature=c.temperature,
+                                                      aggregate=c.aggregate, chunk=chunk)
+            full_top = losses.teacher_top_tokens(full[sel], head, temperature=c.temperature, chunk=chunk)
+            batch.metrics.update(path_metrics(task, tok, examples, tokens, batch,
+                                              {"full": full_top, "views": views_top}, kept))
         return batch
 
     @torch.no_grad()
     def _gate_and_influence(self, batch: Batch, examples: Sequence[Any], masks: list[list[list[bool]]],
-                            ctx: RolloutContext) -> Optional[torch.Tensor]:
+                            ctx: RolloutContext) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         """Token gate (into batch.token_weights) and influence updates, from one no-grad student pass.
-        Returns the gate's keep flags over the completion tokens (N,), or None without the gate."""
+        Returns the gate's keep flags over the completion tokens (N,) (None without the gate) and the
+        aggregated teacher's top token there (N,), which the path diagnostics reuse."""
         c = self.cfg
         sel = batch.loss_mask.bool()  # (B, T)
         hidden = final_hidden(ctx.policy, batch.input_ids, batch.attention_mask)
@@ -282,7 +287,7 @@ class MASS:
                 if mine.any():
                     shift = stats["view_shift"][:, mine].mean(1).tolist()  # (K,)
                     self.influence.update(ex.uid, span_influence(masks[b], shift))
-        return keep
+        return keep, stats["teacher_top"]
 
     def loss(self, model: nn.Module, micro: Batch, normaliser: torch.Tensor) -> StepOutput:
         return distill_loss(model, micro, normaliser, self.cfg, prefix=self.name)

@@ -34,7 +34,7 @@ from torch import nn
 from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms
 from algorithms.rollouts import encode, require_references, rollout_batch, rollout_metrics, sample
 from algorithms.scoring import detached_head, teacher_hidden
-from algorithms.selfdistill import SelfDistillConfig, distill_loss, path_metrics
+from algorithms.selfdistill import SelfDistillConfig, distill_loss, path_metrics, reference_teacher_tops
 from algorithms.teacher import SelfTeacher
 from models.export import export_model
 from models.lora import train_all_or_lora
@@ -69,10 +69,9 @@ class OPSD:
                                     batch.input_ids.shape[1], self.cfg.teacher_batch_size, ctx.device)
             batch.teacher = TeacherTerms(hidden, detached_head(teacher))
         batch.metrics, _ = rollout_metrics(task, tok, examples, completions, "rollout")
-        if self.cfg.path_diagnostics:
-            sel = batch.loss_mask.bool()
+        if self.cfg.path_diagnostics and hasattr(task, "solution_path"):
             batch.metrics.update(path_metrics(task, tok, examples, [c.tokens for c in completions], batch,
-                                              {"full": (hidden[sel], batch.teacher.head)}, self.cfg.temperature))
+                                              reference_teacher_tops(batch, self.cfg)))
         return batch
 
     def loss(self, model: nn.Module, micro: Batch, normaliser: torch.Tensor) -> StepOutput:

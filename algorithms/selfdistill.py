@@ -95,6 +95,14 @@ def chunk_size(cfg: Any, head: Head, batch: Batch) -> int:
     return cfg.loss_chunk_tokens or losses.auto_chunk(head[0].shape[0], views)
 
 
+def reference_teacher_tops(batch: Batch, cfg: Any) -> dict[str, torch.Tensor]:
+    """{"full": top token per completion token} of the batch's one-view (full-reference) teacher, for
+    `path_metrics` (OPSD, TESD)."""
+    teacher = batch.teacher
+    return {"full": losses.teacher_top_tokens(teacher.hidden[batch.loss_mask.bool()], teacher.head,
+                                              temperature=cfg.temperature, chunk=chunk_size(cfg, teacher.head, batch))}
+
+
 def distill_loss(model: nn.Module, micro: Batch, normaliser: torch.Tensor, cfg: Any, prefix: str = "opsd"
                  ) -> StepOutput:
     """sum_t w_t D(p_S || p_T)_t / normaliser over the completion tokens, and metrics."""
@@ -141,16 +149,16 @@ def on_path_flags(task: Any, tokenizer: Any, tokens: Sequence[int], reference: s
 
 @torch.no_grad()
 def path_metrics(task: Any, tokenizer: Any, examples: Sequence[Any], completions: Sequence[Sequence[int]],
-                 batch: Batch, teachers: dict[str, tuple[torch.Tensor, Head]], temperature: float,
-                 aggregate: str = "mean", kept: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+                 batch: Batch, teacher_tops: dict[str, torch.Tensor], kept: Optional[torch.Tensor] = None
+                 ) -> dict[str, torch.Tensor]:
     """Per-step diagnostics of the on / off reference-path split (empty when the task has no paths).
 
     paths/differs: share of rollouts whose path differs from the reference's; paths/on_tokens: share
-    of completion tokens on the reference's path; for each teacher NAME (hidden states (N, K, H) over
-    the completion tokens `batch.loss_mask` selects, and the head they were made with)
-    paths/agree_NAME_on|off: how often that teacher's top token (its K views aggregated) is the token
-    the student sampled, on / off the path; with `kept` (N,) the gate's kept share on each side
-    (paths/kept_on|off). A side with no tokens in this batch is left out.
+    of completion tokens on the reference's path; for each teacher NAME, given its top token (N,) over
+    the completion tokens `batch.loss_mask` selects (`losses.teacher_top_tokens`),
+    paths/agree_NAME_on|off: how often it is the token the student sampled, on / off the path; with
+    `kept` (N,) the gate's kept share on each side (paths/kept_on|off). A side with no tokens in this
+    batch is left out (the trainer averages a metric over the ranks that report it).
     """
     if not hasattr(task, "solution_path"):
         return {}
@@ -167,17 +175,11 @@ def path_metrics(task: Any, tokenizer: Any, examples: Sequence[Any], completions
     out = {"paths/differs": torch.tensor(sum(differs) / max(len(differs), 1)),
            "paths/on_tokens": on.float().mean() if on.numel() else torch.tensor(0.0)}
     sampled = batch.input_ids[sel]
-    for name, (hidden, head) in teachers.items():
-        top = []
-        for start in range(0, hidden.shape[0], 512):
-            views = losses.head_logp(hidden[start: start + 512].transpose(0, 1), head, temperature)  # (K, n, V)
-            top.append(losses.aggregate_views(views, aggregate).argmax(-1))
-        agree = (torch.cat(top) == sampled).float() if top else sampled.new_zeros(0).float()
-        for side, mask in (("on", on), ("off", ~on)):
-            if mask.any():
-                out[f"paths/agree_{name}_{side}"] = agree[mask].mean()
+    shares = {f"agree_{name}": (top == sampled).float() for name, top in teacher_tops.items()}
     if kept is not None:
+        shares["kept"] = kept.float()
+    for name, values in shares.items():
         for side, mask in (("on", on), ("off", ~on)):
             if mask.any():
-                out[f"paths/kept_{side}"] = kept[mask].float().mean()
+                out[f"paths/{name}_{side}"] = values[mask].mean()
     return out

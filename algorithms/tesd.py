@@ -37,7 +37,8 @@ from algorithms import losses
 from algorithms.base import Batch, PolicyTerms, RolloutContext, StepOutput, TeacherTerms, pad_right
 from algorithms.rollouts import completion_mask, encode, require_references, rollout_batch, sample
 from algorithms.scoring import detached_head, predicting, scatter_tokens, student_features, teacher_hidden
-from algorithms.selfdistill import SelfDistillConfig, check_self_distill_config, distill_terms, path_metrics
+from algorithms.selfdistill import (SelfDistillConfig, check_self_distill_config, distill_terms, path_metrics,
+                                    reference_teacher_tops)
 from models.anatomy import final_hidden
 from models.export import export_model
 from models.lora import train_all_or_lora
@@ -146,10 +147,9 @@ class TESD:
         batch = join(student, teacher)
         batch.metrics = {**parts, **_histogram(trust), "tesd/reliability": trust.mean(),
                          "rollout/reward": torch.tensor(self._mean_reward(task, tok, examples, student_outs))}
-        if c.path_diagnostics:
-            sel = student.loss_mask.bool()
+        if c.path_diagnostics and hasattr(task, "solution_path"):
             batch.metrics.update(path_metrics(task, tok, examples, [o.tokens for o in student_outs], student,
-                                              {"full": (hidden[sel], student.teacher.head)}, c.temperature))
+                                              reference_teacher_tops(student, c)))
         return batch
 
     def _mean_reward(self, task, tok, examples, outs) -> float:

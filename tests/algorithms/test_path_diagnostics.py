@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from algorithms.base import Batch
+from algorithms.losses import teacher_top_tokens
 from algorithms.mass import MASS, MASSConfig
 from algorithms.opsd import OPSD, OPSDConfig
 from algorithms.selfdistill import on_path_flags, path_metrics
@@ -96,8 +97,8 @@ def test_agreement_and_kept_shares_by_hand(task, tok):
     kept[torch.nonzero(on).squeeze(1)[:5]] = True
     kept[off_idx[:20]] = True
     head = (torch.eye(v), None)
-    out = path_metrics(task, tok, [EXAMPLE, EXAMPLE], rows, batch, {"full": (full, head), "views": (views, head)},
-                       temperature=1.0, kept=kept)
+    tops = {name: teacher_top_tokens(hidden, head) for name, hidden in (("full", full), ("views", views))}
+    out = path_metrics(task, tok, [EXAMPLE, EXAMPLE], rows, batch, tops, kept=kept)
     n_on, n_off = int(on.sum()), int((~on).sum())
     assert n_on == len(REFERENCE) + 1 + len(OTHER_ORDER.split("\n")[0]) + 1
     assert out["paths/differs"].item() == pytest.approx(0.5)
@@ -114,7 +115,7 @@ def test_tasks_without_paths_log_nothing(tok):
         pass
 
     batch = _batch(tok, [ids(tok, "x")])
-    assert path_metrics(NoPaths(), tok, [EXAMPLE], [ids(tok, "x")], batch, {}, 1.0) == {}
+    assert path_metrics(NoPaths(), tok, [EXAMPLE], [ids(tok, "x")], batch, {}) == {}
 
 
 @pytest.mark.parametrize("algo", [
@@ -157,3 +158,17 @@ def test_eval_reports_how_often_the_greedy_path_differs(task, tok):
     arith = build_task("arith", seed=0, n_train=4, n_test=4)
     assert "path_differs" in evaluate(None, tok, arith, examples[:1], World(), 40,
                                       generate=lambda chunk: [ids(tok, REFERENCE, eos=False)])
+
+
+def test_gate_statistics_give_the_same_top_token_as_the_diagnostics_helper():
+    """MASS reuses the aggregated teacher's top token from its gate statistics for paths/agree_views_*."""
+    from algorithms.losses import self_distill_diagnostics
+
+    g = torch.Generator().manual_seed(0)
+    n, k, h, v = 37, 3, 8, 11
+    student, teacher = torch.randn(n, h, generator=g), torch.randn(n, k, h, generator=g)
+    head = (torch.randn(v, h, generator=g), None)
+    for aggregate in ("mean", "geometric"):
+        stats = self_distill_diagnostics(student, head, teacher, head, temperature=1.1, aggregate=aggregate, chunk=5)
+        want = teacher_top_tokens(teacher, head, temperature=1.1, aggregate=aggregate, chunk=7)
+        assert torch.equal(stats["teacher_top"], want)
