@@ -36,7 +36,7 @@ from torch import nn
 from algorithms import losses
 from algorithms.advantages import SCALES, group_advantages
 from algorithms.base import Batch, PolicyTerms, RolloutContext, StepOutput, Traits
-from algorithms.rollouts import encode, rollout_batch
+from algorithms.rollouts import encode, encode_prompt, rollout_batch
 from algorithms.scoring import scatter_tokens, student_features
 from models.export import export_model
 from models.lora import LoRAOptions, train_all_or_lora
@@ -202,7 +202,7 @@ def play_episodes(engine: "SessionEngine", tokenizer: Any, task: Any, episodes: 
     live = [i for i, t in enumerate(trajectories) if t.valid]
     try:
         while live:
-            prompts = {i: encode(tokenizer, trajectories[i].env.prompt()) for i in live}
+            prompts = {i: encode_prompt(tokenizer, trajectories[i].env.prompt()) for i in live}
             for i in list(live):
                 if len(prompts[i]) >= limit:  # the context no longer fits the model at all: an overflow
                     env = trajectories[i].env

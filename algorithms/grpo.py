@@ -45,7 +45,7 @@ from torch import nn
 from algorithms import losses
 from algorithms.advantages import SCALES, group_advantages
 from algorithms.base import Batch, PolicyTerms, RolloutContext, StepOutput, TokenLogprobs, Traits
-from algorithms.rollouts import encode, rollout_batch, sample
+from algorithms.rollouts import encode_prompt, rollout_batch, sample
 from algorithms.scoring import scatter_tokens, student_features
 from algorithms.teacher import SelfTeacher
 from models.export import export_model
@@ -180,7 +180,7 @@ class GRPO:
             self._reuse.metrics = {**self._reuse.metrics, "grpo/iteration": torch.tensor(float(self._iteration))}
             return self._reuse
         tok, task, g = ctx.tokenizer, ctx.task, c.num_generations
-        prompts = [encode(tok, task.prompt(ex)) for ex in examples]
+        prompts = [encode_prompt(tok, task.prompt(ex)) for ex in examples]
         rows = [p for p in prompts for _ in range(g)]  # prompt-major: rows b*G .. b*G+G-1
         outs = sample(ctx, rows, c.temperature, c.top_p)
         rewards, valid, metrics = self.rewards([ex for ex in examples for _ in range(g)], outs, tok, task)

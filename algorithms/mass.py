@@ -43,7 +43,7 @@ from torch import nn
 
 from algorithms import losses
 from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms
-from algorithms.rollouts import encode, require_references, rollout_batch, rollout_metrics, sample
+from algorithms.rollouts import encode, encode_prompt, require_references, rollout_batch, rollout_metrics, sample
 from algorithms.scoring import detached_head, predicting, teacher_hidden
 from algorithms.selfdistill import (SelfDistillConfig, check_self_distill_config, chunk_size, distill_loss,
                                     path_metrics)
@@ -225,18 +225,18 @@ class MASS:
 
     def make_batch(self, examples: Sequence[Any], ctx: RolloutContext) -> Batch:
         c, tok, task = self.cfg, ctx.tokenizer, ctx.task
-        prompts = [encode(tok, task.prompt(ex)) for ex in examples]
+        prompts = [encode_prompt(tok, task.prompt(ex)) for ex in examples]
         completions = sample(ctx, prompts, c.temperature, c.top_p)
         batch = rollout_batch(prompts, completions, tok.pad_token_id, ctx.device, [ex.uid for ex in examples])
         references, masks, focus = zip(*(self.views(ex, task, tok) for ex in examples))
-        views = [[encode(tok, task.teacher_prompt(ex, r)) for r in refs] for ex, refs in zip(examples, references)]
+        views = [[encode_prompt(tok, task.teacher_prompt(ex, r)) for r in refs] for ex, refs in zip(examples, references)]
         diagnose = c.path_diagnostics and hasattr(task, "solution_path")
         tokens, starts, width = [x.tokens for x in completions], [len(p) for p in prompts], batch.input_ids.shape[1]
         with self.teacher.weights(ctx.policy) as teacher:
             hidden = teacher_hidden(teacher, views, tokens, starts, width, c.teacher_batch_size, ctx.device)  # (B, T, K, H)
             batch.teacher = TeacherTerms(hidden, detached_head(teacher))
             if diagnose:  # the full-reference teacher (OPSD's), for comparison only: not in the loss
-                full = teacher_hidden(teacher, [[encode(tok, task.teacher_prompt(ex, ex.solution))] for ex in examples],
+                full = teacher_hidden(teacher, [[encode_prompt(tok, task.teacher_prompt(ex, ex.solution))] for ex in examples],
                                       tokens, starts, width, c.teacher_batch_size, ctx.device)
         batch.metrics, _ = rollout_metrics(task, tok, examples, completions, "rollout")
         kept, views_top = (self._gate_and_influence(batch, examples, list(masks), ctx) if c.gate or c.adaptive_masking

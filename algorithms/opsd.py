@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms
-from algorithms.rollouts import encode, require_references, rollout_batch, rollout_metrics, sample
+from algorithms.rollouts import encode_prompt, require_references, rollout_batch, rollout_metrics, sample
 from algorithms.scoring import detached_head, teacher_hidden
 from algorithms.selfdistill import SelfDistillConfig, distill_loss, path_metrics, reference_teacher_tops
 from algorithms.teacher import SelfTeacher
@@ -60,10 +60,10 @@ class OPSD:
 
     def make_batch(self, examples: Sequence[Any], ctx: RolloutContext) -> Batch:
         tok, task = ctx.tokenizer, ctx.task
-        prompts = [encode(tok, task.prompt(ex)) for ex in examples]
+        prompts = [encode_prompt(tok, task.prompt(ex)) for ex in examples]
         completions = sample(ctx, prompts, self.cfg.temperature, self.cfg.top_p)
         batch = rollout_batch(prompts, completions, tok.pad_token_id, ctx.device, [ex.uid for ex in examples])
-        views = [[encode(tok, task.teacher_prompt(ex, ex.solution))] for ex in examples]
+        views = [[encode_prompt(tok, task.teacher_prompt(ex, ex.solution))] for ex in examples]
         with self.teacher.weights(ctx.policy) as teacher:
             hidden = teacher_hidden(teacher, views, [c.tokens for c in completions], [len(p) for p in prompts],
                                     batch.input_ids.shape[1], self.cfg.teacher_batch_size, ctx.device)

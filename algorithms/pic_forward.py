@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from inference.relocate import RopeLayout, relocate_keys, rope_layout
 from models.anatomy import causal_lm, final_hidden
+from models.prompts import continuation_ids, prompt_ids
 from models.query_adapter import adapter_disabled
 from tasks.base import Segments
 
@@ -74,9 +75,12 @@ class SegmentIds:
 
 
 def segment_ids(tokenizer: Any, segments: Segments) -> SegmentIds:
-    """Each segment tokenized on its own (`add_special_tokens=False`); empty artifacts are dropped."""
-    enc = lambda text: tuple(tokenizer(text, add_special_tokens=False).input_ids) if text else ()  # noqa: E731
-    return SegmentIds(enc(segments.prefix), tuple(a for a in map(enc, segments.artifacts) if a), enc(segments.query))
+    """Each segment tokenized on its own (`add_special_tokens=False`); empty artifacts are dropped. The
+    prefix is encoded as a prompt's start (`models.prompts.prompt_ids`: one leading BOS where the
+    tokenizer adds one), so the full prompt starts like any other prompt of the run."""
+    enc = lambda text: tuple(continuation_ids(tokenizer, text)) if text else ()  # noqa: E731
+    return SegmentIds(tuple(prompt_ids(tokenizer, segments.prefix)), tuple(a for a in map(enc, segments.artifacts) if a),
+                      enc(segments.query))
 
 
 def split_rows(input_ids: Tensor, labels: Tensor, attention_mask: Tensor) -> tuple[list[SegmentIds], list[list[int]]]:

@@ -48,7 +48,7 @@ from torch import nn
 
 from algorithms import losses
 from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms, Traits, pad_right
-from algorithms.rollouts import completion_mask, encode
+from algorithms.rollouts import completion_mask, encode, encode_prompt
 from algorithms.scoring import detached_head, predicting, student_features
 from models.anatomy import capture_final_hidden, causal_lm, decoder_layers
 
@@ -337,7 +337,7 @@ class QAD:
         step = self.steps_done
         self.steps_done += 1
         tok = ctx.tokenizer
-        prompts = [encode(tok, ctx.task.prompt(ex)) for ex in examples]
+        prompts = [encode_prompt(tok, ctx.task.prompt(ex)) for ex in examples]
         targets = self.completions(examples, prompts, ctx)
         ids, attn = pad_right([p + c for p, c in zip(prompts, targets)], tok.pad_token_id, ctx.device)
         loss_mask = completion_mask(prompts, targets, ids)

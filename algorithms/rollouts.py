@@ -1,7 +1,7 @@
 """Rollout helpers shared by the on-policy algorithms: encode prompts, sample completions through the
 inference engine, and lay prompt + completion rows out as a training Batch.
 
-    prompts = [encode(tok, task.prompt(ex)) for ex in examples]
+    prompts = [encode_prompt(tok, task.prompt(ex)) for ex in examples]
     completions = sample(ctx, prompts, temperature=1.0, top_p=1.0)
     batch = rollout_batch(prompts, completions, tok.pad_token_id, device, uids)
 """
@@ -12,11 +12,18 @@ from typing import Any, Sequence
 import torch
 
 from algorithms.base import Batch, RolloutContext, pad_right
+from models.prompts import continuation_ids, prompt_ids
 from tasks import DataError
 
 
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """A prompt's ids (`models.prompts.prompt_ids`: one leading BOS where the tokenizer adds one)."""
+    return prompt_ids(tokenizer, text)
+
+
 def encode(tokenizer: Any, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False).input_ids
+    """Ids of text that continues a prompt (a solution, a reference, a completion): no special tokens."""
+    return continuation_ids(tokenizer, text)
 
 
 def sample(ctx: RolloutContext, prompts: list[list[int]], temperature: float, top_p: float) -> list[Any]:

@@ -53,7 +53,7 @@ from torch import nn
 
 from algorithms import losses
 from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms, Traits, pad_right
-from algorithms.rollouts import completion_mask, encode, sample
+from algorithms.rollouts import completion_mask, encode, encode_prompt, sample
 from algorithms.scoring import detached_head, teacher_hidden
 from algorithms.teacher import SelfTeacher
 from inference.artifacts import DRAFTER_DEFAULTS as DRAFTER, SEED_DRAFTER_FILE, DrafterSpec, write_drafter_spec
@@ -252,7 +252,7 @@ class SEED:
 
     def make_batch(self, examples: Sequence[Any], ctx: RolloutContext) -> Batch:
         tok, task = ctx.tokenizer, ctx.task
-        prompts = [encode(tok, task.prompt(ex)) for ex in examples]
+        prompts = [encode_prompt(tok, task.prompt(ex)) for ex in examples]
         metrics: dict[str, torch.Tensor] = {}
         if self.cfg.data_source == "self":
             outs = sample(ctx, prompts, self.cfg.self_temperature, 1.0)
@@ -347,7 +347,7 @@ class SEED:
             dec = SpeculativeDecoder(lm, mode="seed", decoder_layers=self.cfg.decoder_layers,
                                      draft_len=self.cfg.draft_len, confidence=self.cfg.confidence,
                                      adaptive=self.cfg.adaptive)
-            prompts = [encode(tokenizer, task.prompt(ex)) for ex in examples]
+            prompts = [encode_prompt(tokenizer, task.prompt(ex)) for ex in examples]
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                                     stop_token_ids=(tokenizer.eos_token_id,))
             _, stats = dec.generate(prompts, params)

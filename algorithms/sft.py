@@ -17,6 +17,7 @@ import torch
 
 from algorithms import losses
 from algorithms.base import Batch, RolloutContext, StepOutput, Traits, pad_right
+from models.prompts import continuation_ids, prompt_ids
 from tasks import mask_spans
 
 
@@ -60,8 +61,8 @@ class SFT:
         tok = ctx.tokenizer
         rows, starts = [], []
         for ex in examples:
-            prompt = tok(self.prompt_text(ex, ctx.task), add_special_tokens=False).input_ids
-            target = tok(ex.solution, add_special_tokens=False).input_ids + [tok.eos_token_id]
+            prompt = prompt_ids(tok, self.prompt_text(ex, ctx.task))
+            target = continuation_ids(tok, ex.solution) + [tok.eos_token_id]
             rows.append(prompt + target)
             starts.append(len(prompt))
         ids, attn = pad_right(rows, tok.pad_token_id, ctx.device)

@@ -57,7 +57,7 @@ from torch import Tensor, nn
 
 from algorithms import losses
 from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms, Traits, pad_right
-from algorithms.rollouts import completion_mask, encode
+from algorithms.rollouts import completion_mask, encode, encode_prompt
 from algorithms.scoring import detached_head, predicting, student_features
 from models.anatomy import causal_lm, decoder_layers, final_hidden
 from models.skipper import (
@@ -191,7 +191,7 @@ class Skipper:
     def make_batch(self, examples: Sequence[Any], ctx: RolloutContext) -> Batch:
         self.check_policy(ctx.policy)
         tok = ctx.tokenizer
-        prompts = [encode(tok, ctx.task.prompt(ex)) for ex in examples]
+        prompts = [encode_prompt(tok, ctx.task.prompt(ex)) for ex in examples]
         targets = self.completions(examples, prompts, ctx)
         ids, attn = pad_right([p + c for p, c in zip(prompts, targets)], tok.pad_token_id, ctx.device)
         batch = Batch(ids, attn, completion_mask(prompts, targets, ids), uids=[ex.uid for ex in examples])
@@ -245,7 +245,7 @@ class Skipper:
         self.check_policy(model)
         lm = causal_lm(model)
         device = next(lm.parameters()).device
-        prompts = [encode(tokenizer, task.prompt(ex)) for ex in examples]
+        prompts = [encode_prompt(tokenizer, task.prompt(ex)) for ex in examples]
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
         was_training = lm.training
         lm.eval()

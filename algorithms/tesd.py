@@ -35,7 +35,7 @@ from torch import nn
 
 from algorithms import losses
 from algorithms.base import Batch, PolicyTerms, RolloutContext, StepOutput, TeacherTerms, pad_right
-from algorithms.rollouts import completion_mask, encode, require_references, rollout_batch, sample
+from algorithms.rollouts import completion_mask, encode, encode_prompt, require_references, rollout_batch, sample
 from algorithms.scoring import detached_head, predicting, scatter_tokens, student_features, teacher_hidden
 from algorithms.selfdistill import (SelfDistillConfig, check_self_distill_config, distill_terms, path_metrics,
                                     reference_teacher_tops)
@@ -128,8 +128,8 @@ class TESD:
 
     def make_batch(self, examples: Sequence[Any], ctx: RolloutContext) -> Batch:
         c, tok, task, g = self.cfg, ctx.tokenizer, ctx.task, self.cfg.teacher_rollouts
-        plain = [encode(tok, task.prompt(ex)) for ex in examples]
-        privileged = [encode(tok, task.teacher_prompt(ex, ex.solution)) for ex in examples]
+        plain = [encode_prompt(tok, task.prompt(ex)) for ex in examples]
+        privileged = [encode_prompt(tok, task.teacher_prompt(ex, ex.solution)) for ex in examples]
         teacher_prompts = [p for p in privileged for _ in range(g)]  # question-major: rows b*G .. b*G+G-1
         outs = sample(ctx, plain + teacher_prompts, c.temperature, c.top_p)
         student_outs, teacher_outs = outs[: len(plain)], outs[len(plain):]

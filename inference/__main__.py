@@ -51,7 +51,10 @@ ADAPTER_CONFIG = "adapter_config.json"  # what marks a PEFT adapter dir
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m inference", description=__doc__.split("\n")[0])
     parser.add_argument("model_dir", help="local directory with an HF model and its tokenizer")
-    parser.add_argument("--prompt", required=True, help="text to complete")
+    parser.add_argument("--prompt", required=True, help="text to complete (the user turn with --chat)")
+    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                        help="render the prompt as the user turn of the tokenizer's chat template "
+                             "(default: on when the tokenizer has one; --no-chat sends the raw text)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -115,7 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         top_k=args.top_k, stop_token_ids=(eos,) if eos is not None else (),
     )
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
-    prompt_ids = tokenizer.encode(args.prompt)
+    from models.prompts import ChatTemplateError
+
+    try:
+        prompt_ids = encode_cli_prompt(tokenizer, args.prompt, args.chat)
+    except ChatTemplateError as err:  # --chat with a tokenizer that has no template
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
     if args.speculative is None:
         from inference.engine import EngineConfig
 
@@ -128,6 +137,18 @@ def main(argv: list[str] | None = None) -> int:
         completion = _speculative(args, model, prompt_ids, params, generator)
     print(tokenizer.decode(completion.tokens, skip_special_tokens=True))
     return 0
+
+
+def encode_cli_prompt(tokenizer, prompt: str, chat: bool | None) -> list[int]:
+    """The prompt's ids as training and eval build them (models/prompts.py): the user turn of the chat
+    template when `chat` (None: when the tokenizer has one), then one leading BOS where the tokenizer adds one."""
+    from models.prompts import prompt_ids, render, use_chat
+
+    return prompt_ids(tokenizer, render(tokenizer, prompt, chat=use_chat(tokenizer, _mode(chat))))
+
+
+def _mode(chat: bool | None) -> str:
+    return "auto" if chat is None else ("true" if chat else "false")
 
 
 def load_model(model_dir: str, adapter: str | None, device: str):
@@ -235,12 +256,20 @@ def _serve_artifacts(args) -> int:
     model, tokenizer = load_pretrained(model_dir, saved_dtype(model_dir))
     model = model.to(args.device).eval()
 
-    def ids(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False).input_ids
+    from models.prompts import ChatTemplateError, chat_parts, continuation_ids, prompt_ids, use_chat
 
-    bos = [tokenizer.bos_token_id] if _adds_bos(tokenizer) else []
-    prefix = bos + (ids(args.prefix) if args.prefix else [])
-    request = PICRequest.make(prefix, [ids(t) for t in texts], ids(args.prompt))
+    def ids(text: str) -> list[int]:
+        return continuation_ids(tokenizer, text)
+
+    # As training cuts a templated prompt (tasks/chat.py): the template's head joins the shared prefix,
+    # the artifacts and the prompt are the user turn's content, the tail (the assistant cue) ends the query.
+    try:
+        head, tail = chat_parts(tokenizer) if use_chat(tokenizer, _mode(args.chat)) else ("", "")
+    except ChatTemplateError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    prefix = prompt_ids(tokenizer, head + args.prefix)
+    request = PICRequest.make(prefix, [ids(t) for t in texts], ids(args.prompt + tail))
     eos = tokenizer.eos_token_id
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, stop_token_ids=(eos,) if eos is not None else ())
@@ -268,13 +297,6 @@ def _serve_artifacts(args) -> int:
           file=sys.stderr)
     return 0
 
-
-def _adds_bos(tokenizer) -> bool:
-    bos = tokenizer.bos_token_id
-    if bos is None:
-        return False
-    probe = tokenizer("a").input_ids
-    return bool(probe) and probe[0] == bos
 
 
 if __name__ == "__main__":

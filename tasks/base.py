@@ -28,6 +28,10 @@ class Example:
     # Reusable context pieces (tables, documents, skills) placed before the question, each of which a
     # position-independent cache encodes once on its own (data=artifacts, a user row's `artifacts` list).
     artifacts: tuple[str, ...] = ()
+    # Earlier turns of a conversational row, (role, content) each: a system prompt and any history
+    # before the final user turn, which holds the question. Rendered by the chat template, or as
+    # plain text before the prompt without one (models/prompts.py).
+    turns: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -329,6 +329,7 @@ class ClmTask:
 
     name = "clm"
     mask_token = CLM_MASK_TOKEN
+    renders_own_prompts = True  # the context file is the whole input: no chat template is put around it
 
     def __init__(self, seed: int = 0, n_train: int = 2000, n_test: int = 100, kinds: dict[str, float] | None = None,
                  budget: int = DEFAULT_BUDGET, max_calls: int = DEFAULT_MAX_CALLS,

@@ -26,6 +26,11 @@ end each with a newline. Rows without the field (or with null) get `()`; `artifa
 ignores the field. A list from a CSV cell is not possible (a cell is a string, which is refused).
 A bad row raises `DataError` naming the file and 1-based row (JSON lines: the line number; CSV: the
 data row, header not counted), or with `on_bad_row="skip"` is counted in `task.skipped` and warned.
+Conversational rows: a row without a string `question_field` may instead hold `messages` (a list of
+{"role", "content"} turns, a final assistant turn being the solution) or `prompt` as a list of turns
+with an optional `completion` (one assistant turn or a string). The last prompt turn must be the
+user's: it is the question; the turns before it become `Example.turns`, rendered before the prompt
+as plain text here and as turns by a chat template (`tasks/chat.py`).
 The verifier checks the final answer only (`steps_total == 0`).
 """
 from __future__ import annotations
@@ -50,6 +55,7 @@ from tasks.base import (
     split_lines,
     split_sentences,
 )
+from models.prompts import ROLES, plain_turns
 
 INSTRUCTION = "Please reason step by step, and put your final answer after ####."
 TEXT_PROMPT = "{question}\n" + INSTRUCTION + "\n"
@@ -242,9 +248,11 @@ class TextTask:
         if not isinstance(row, dict):
             raise _BadRow(f"expected an object with fields, got {type(row).__name__}")
         q_field, s_field, a_field = self.fields
-        question = _text(row, q_field)
+        turns, question, completion = _conversation(row, q_field)
         answer = _answer(row, a_field)
-        if s_field is None:
+        if completion is not None:
+            solution = completion
+        elif s_field is None:
             if answer is None:
                 raise _BadRow(f"no answer in field {a_field!r} and no solution field to extract it from")
             solution = f"{ANSWER_MARKER} {answer}"
@@ -256,7 +264,7 @@ class TextTask:
                 raise _BadRow(f"no answer field {a_field!r} and no answer found in the solution")
         if self.append_answer_line and ANSWER_MARKER not in solution:
             solution = f"{solution.rstrip()}\n{ANSWER_MARKER} {answer}"
-        return Example(question, solution, answer, uid, _artifacts(row, self.artifacts_field))
+        return Example(question, solution, answer, uid, _artifacts(row, self.artifacts_field), turns)
 
     # -- the Task protocol --------------------------------------------------------------------
 
@@ -270,14 +278,17 @@ class TextTask:
         return self._test
 
     def segments(self, example: Example) -> Segments:
-        return Segments("", example.artifacts, fill_template(self.prompt_template, question=example.question))
+        """A conversational row's earlier turns (plain text here; a chat template renders them as turns)
+        are the shared prefix, then the artifacts, then the templated question."""
+        return Segments(plain_turns(example.turns), example.artifacts,
+                        fill_template(self.prompt_template, question=example.question))
 
     def prompt(self, example: Example) -> str:
         return self.segments(example).text()
 
     def teacher_prompt(self, example: Example, reference: str) -> str:
         query = fill_template(self.teacher_template, question=example.question, reference=reference)
-        return "".join(example.artifacts) + query
+        return plain_turns(example.turns) + "".join(example.artifacts) + query
 
     def solution_spans(self, solution: str) -> list[str]:
         """Lines ("line"), sentences within lines ("sentence"), or lines unless there are too few ("auto")."""
@@ -289,6 +300,60 @@ class TextTask:
     def verify(self, example: Example, completion: str) -> VerifyResult:
         answer = extract_answer(completion)
         return VerifyResult(answers_equal(answer, example.answer), answer, 0, 0)
+
+
+def _conversation(row: dict, question_field: str) -> tuple[tuple[tuple[str, str], ...], str, str | None]:
+    """(earlier turns, question, the assistant's reply or None) of a row.
+
+    A row whose `question_field` holds a string is a plain row: no turns, no reply here. Otherwise a
+    conversational row in the dataset formats of chat fine-tuning: `messages` (a list of turns; a
+    final assistant turn is the reply) or `prompt` as a list of turns with an optional `completion`
+    (a list holding one assistant turn, or a string). The last prompt turn must be the user's: its
+    content is the question; the turns before it (a system prompt, history) are kept."""
+    if isinstance(row.get(question_field), str) or not (
+            isinstance(row.get("messages"), list) or isinstance(row.get("prompt"), list)):
+        return (), _text(row, question_field), None
+    if isinstance(row.get("messages"), list):
+        turns, reply = _turns(row["messages"], "messages"), None
+        if turns and turns[-1][0] == "assistant":
+            turns, reply = turns[:-1], turns[-1][1]
+        where = "messages"
+    else:
+        turns, reply, where = _turns(row["prompt"], "prompt"), _completion(row.get("completion")), "prompt"
+    if not turns or turns[-1][0] != "user":
+        raise _BadRow(f"field {where!r}: the last prompt turn must be the user's (it holds the question), got "
+                      f"{turns[-1][0] if turns else 'no turns'}")
+    return tuple(turns[:-1]), turns[-1][1], reply
+
+
+def _turns(value: list, field: str) -> list[tuple[str, str]]:
+    out = []
+    for i, turn in enumerate(value):
+        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str):
+            raise _BadRow(f"field {field!r}: turn {i} must be an object with a 'role' and a 'content'")
+        role, content = turn["role"], turn.get("content")
+        if role not in ROLES:
+            raise _BadRow(f"field {field!r}: turn {i} has role {role!r}; expected one of {ROLES}")
+        if not isinstance(content, str) or not content.strip():
+            raise _BadRow(f"field {field!r}: turn {i} ({role}) must have non-empty text content")
+        out.append((role, content))
+    return out
+
+
+def _completion(value: Any) -> str | None:
+    """A conversational row's `completion`: a string, or a list holding one assistant turn; None when absent."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if not value.strip():
+            raise _BadRow("field 'completion' is empty")
+        return value
+    if isinstance(value, list):
+        turns = _turns(value, "completion")
+        if len(turns) != 1 or turns[0][0] != "assistant":
+            raise _BadRow("field 'completion' must hold exactly one assistant turn")
+        return turns[0][1]
+    raise _BadRow(f"field 'completion' must be a string or a list of turns, got {type(value).__name__}")
 
 
 def _text(row: dict, field: str) -> str:

@@ -89,6 +89,9 @@ class DataConfig:
     # prompts (None => the task's default)
     prompt_template: Optional[str] = None
     teacher_template: Optional[str] = None
+    # auto | true | false: render every prompt (student, teacher, rollouts, eval) as the user turn of the
+    # tokenizer's chat template; auto = when the tokenizer has one (the embedded tiny model has none)
+    chat_template: str = "auto"
 
 
 @dataclass
@@ -296,6 +299,7 @@ def validate(cfg: TrainConfig) -> None:
     if t.resume not in ("auto", "never") and not os.path.isdir(os.path.expanduser(t.resume)):
         raise ConfigError(f"trainer.resume={t.resume}: no such checkpoint directory")
     _validate_model_path(cfg.model)
+    _validate_chat_template(cfg)
     try:
         cfg.algo.validate()  # every algorithm config checks its own values
         if isinstance(cfg.algo, ChecksRun):  # ... and some against the budget and the model's layout
@@ -348,6 +352,45 @@ def _validate_model_path(model: ModelConfig) -> None:
     looks_like_hub_id = model.path.count("/") == 1 and not model.path.startswith((".", "/", "~"))
     if not looks_like_hub_id:
         raise ConfigError(f"model.path={model.path}: no such directory")
+
+
+def _validate_chat_template(cfg: TrainConfig) -> None:
+    """data.chat_template normalised to auto | true | false; `true` refused up front where no template exists."""
+    from models.prompts import chat_mode
+
+    try:
+        cfg.data.chat_template = chat_mode(cfg.data.chat_template)
+    except ValueError as err:
+        raise ConfigError(f"data.{err}") from None
+    if cfg.data.chat_template != "true":
+        return
+    if cfg.data.name == "clm":
+        raise ConfigError("data.chat_template=true: data=clm writes its own prompts (the context file is the whole "
+                          "input); use auto or false")
+    if cfg.model.path is None:
+        raise ConfigError("data.chat_template=true: the embedded tiny model's tokenizer has no chat template "
+                          "(use a model=hf model.path=DIR whose tokenizer has one)")
+    path = os.path.expanduser(cfg.model.path)
+    if os.path.isdir(path) and not _has_chat_template_file(path):
+        raise ConfigError(f"data.chat_template=true: the tokenizer in model.path={cfg.model.path} has no chat template "
+                          "(use data.chat_template=auto or false)")
+
+
+def _has_chat_template_file(path: str) -> bool:
+    """Whether a local model dir's tokenizer files carry a chat template (a .jinja file or the config key)."""
+    import json
+
+    if os.path.exists(os.path.join(path, "chat_template.jinja")) or os.path.exists(
+            os.path.join(path, "chat_template.json")):
+        return True
+    if os.path.exists(os.path.join(path, "adapter_config.json")) and not os.path.exists(
+            os.path.join(path, "tokenizer_config.json")):
+        return True  # an adapter dir without its own tokenizer: the base's, checked when it loads
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as fh:
+            return bool(json.load(fh).get("chat_template"))
+    except (OSError, ValueError):
+        return False
 
 
 def to_dict(cfg: TrainConfig) -> dict:

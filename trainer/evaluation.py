@@ -6,6 +6,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from inference import Engine, EngineConfig, SamplingParams
+from models.prompts import prompt_ids
 from trainer.distributed import World
 
 EVAL_BATCH = 64
@@ -39,7 +40,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequen
         if generate is not None:
             outs = generate(chunk)
         else:
-            prompts = [tokenizer(prompt(ex), add_special_tokens=False).input_ids for ex in chunk]
+            prompts = [prompt_ids(tokenizer, prompt(ex)) for ex in chunk]
             outs = [out.tokens for out in engine.generate(prompts, params)]
         for ex, tokens in zip(chunk, outs):
             text = tokenizer.decode(tokens, skip_special_tokens=True)

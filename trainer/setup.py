@@ -19,6 +19,7 @@ from algorithms import build_algorithm
 from algorithms.base import Algorithm, Capabilities, capabilities
 from models.loading import build_tiny, load_pretrained
 from tasks import build_task
+from tasks.chat import with_chat
 from trainer import checkpoint, default_model
 from trainer.backends import build_backend
 from trainer.config import DataConfig, ModelConfig, TrainConfig, to_dict
@@ -64,6 +65,17 @@ def build_task_from(data: DataConfig, model: ModelConfig | None = None):
                       max_examples=data.max_examples, artifacts_field=data.artifacts_field, **templates)
 
 
+def prompts_for(task, tokenizer, data: DataConfig, world: World | None = None):
+    """`task` with its prompts rendered as the run's tokenizer wants them: through its chat template
+    when data.chat_template says so (auto: when the tokenizer has one), else `task` itself. Training,
+    rollouts and eval all read prompts from the task this returns."""
+    wrapped = with_chat(task, tokenizer, data.chat_template)
+    if wrapped is not task and (world is None or world.is_main):
+        print("prompts: rendered with the tokenizer's chat template (data.chat_template="
+              f"{data.chat_template}; false turns it off)", flush=True)
+    return wrapped
+
+
 def load_model(m: ModelConfig, world: World):
     """The configured model + tokenizer: a path, the tiny model at random init (`warm_start_steps=0`),
     or the warm-started tiny model from its cache entry, which the warm-start stage
@@ -89,6 +101,7 @@ def build_session(cfg: TrainConfig, world: World, model=None, tokenizer=None, ta
     task = task if task is not None else build_task_from(cfg.data, cfg.model)
     if model is None:
         model, tokenizer = load_model(cfg.model, world)
+    task = prompts_for(task, tokenizer, cfg.data, world)
     algo = build_algorithm(cfg.algo)
     caps = capabilities(algo)  # the contract, checked once; the loop never probes the algorithm
     if caps.check_task is not None:  # e.g. self-distillation needs reference solutions: fail before any work
