@@ -26,13 +26,13 @@ def main(argv: list[str]) -> int:
         return 2
     from trainer.distributed import World
     from trainer.evaluation import evaluate
-    from trainer.setup import build_task_from, load_model, prompts_for
+    from trainer.setup import build_task_from, load_model, model_positions, prompts_for
     from trainer.warm_start import ensure
 
     world = World()
     ensure(cfg.model, world)  # the default model, when no model.path is given
     model, tokenizer = _load(cfg.model, world, load_model)
-    task = prompts_for(build_task_from(cfg.data, cfg.model), tokenizer, cfg.data)
+    task = prompts_for(build_task_from(cfg.data, cfg.model), tokenizer, cfg.data, world, model_positions(model))
     examples = list(task.test_examples())[: cfg.trainer.eval_examples]
     stats = _skip_stats(model)
     result = evaluate(model.eval(), tokenizer, task, examples, world, cfg.trainer.eval_max_new_tokens)

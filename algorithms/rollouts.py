@@ -7,6 +7,7 @@ inference engine, and lay prompt + completion rows out as a training Batch.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -32,7 +33,13 @@ def sample(ctx: RolloutContext, prompts: list[list[int]], temperature: float, to
 
     params = SamplingParams(max_new_tokens=ctx.max_new_tokens, temperature=temperature, top_p=top_p,
                             stop_token_ids=(ctx.tokenizer.eos_token_id,))
-    return ctx.engine.generate(prompts, params, generator=ctx.generator)
+    completions = ctx.engine.generate(prompts, params, generator=ctx.generator)
+    capped = sum(c.finish_reason == "length" and len(c.tokens) < ctx.max_new_tokens for c in completions)
+    if capped:
+        warnings.warn(f"rollouts: {capped} of {len(completions)} completions were cut short of trainer.max_new_tokens="
+                      f"{ctx.max_new_tokens}: their batch's longest prompt left fewer positions in the model "
+                      "(lower data.max_prompt_tokens to keep room)", stacklevel=2)
+    return completions
 
 
 def rollout_batch(prompts: list[list[int]], completions: Sequence[Any], pad_id: int, device: torch.device,

@@ -102,3 +102,19 @@ def prompt_ids(tokenizer: Any, text: str) -> list[int]:
 def continuation_ids(tokenizer: Any, text: str) -> list[int]:
     """The ids of text that continues a prompt (a solution, a reference, a completion): no special tokens."""
     return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def prompt_lengths(tokenizer: Any, texts: Sequence[str]) -> list[int]:
+    """`len(prompt_ids(tokenizer, t))` for each text, tokenized in one batched call."""
+    if not texts:
+        return []
+    rows = tokenizer(list(texts), add_special_tokens=False).input_ids
+    if not adds_bos(tokenizer):
+        return [len(r) for r in rows]
+    bos = tokenizer.bos_token_id
+    return [len(r) + (0 if r and r[0] == bos else 1) for r in rows]
+
+
+def continuation_lengths(tokenizer: Any, texts: Sequence[str]) -> list[int]:
+    """`len(continuation_ids(tokenizer, t))` for each text, tokenized in one batched call."""
+    return [len(r) for r in tokenizer(list(texts), add_special_tokens=False).input_ids] if texts else []

@@ -92,6 +92,12 @@ class DataConfig:
     # auto | true | false: render every prompt (student, teacher, rollouts, eval) as the user turn of the
     # tokenizer's chat template; auto = when the tokenizer has one (the embedded tiny model has none)
     chat_template: str = "auto"
+    # length limits in tokens of the run's prompt ids, applied at data load (tasks/lengths.py): the student
+    # prompt, and prompt + reference solution (+ the teacher prompt for algorithms that read the reference);
+    # null = the model's positions. length_policy: error | skip | truncate_left (shorten the question's start)
+    max_prompt_tokens: Optional[int] = None
+    max_length: Optional[int] = None
+    length_policy: str = "error"
 
 
 @dataclass
@@ -257,6 +263,7 @@ CHOICES = {
     "data.name": ("arith", "multipath", "artifacts", "clm", "text"),
     "data.view": ("episodes", "calls"),
     "data.on_bad_row": ("error", "skip"),
+    "data.length_policy": ("error", "skip", "truncate_left"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.warm_start_task": ("auto", "arith", "multipath", "artifacts", "clm"),
 }
@@ -300,6 +307,13 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"trainer.resume={t.resume}: no such checkpoint directory")
     _validate_model_path(cfg.model)
     _validate_chat_template(cfg)
+    for key in ("max_prompt_tokens", "max_length"):
+        value = getattr(cfg.data, key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"data.{key}={value} must be > 0 (or null: the model's positions)")
+    if cfg.data.max_prompt_tokens and cfg.data.max_length and cfg.data.max_prompt_tokens >= cfg.data.max_length:
+        raise ConfigError(f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} must be < data.max_length="
+                          f"{cfg.data.max_length} (the prompt and its reference solution share max_length)")
     try:
         cfg.algo.validate()  # every algorithm config checks its own values
         if isinstance(cfg.algo, ChecksRun):  # ... and some against the budget and the model's layout

@@ -12,6 +12,12 @@ from trainer.distributed import World
 EVAL_BATCH = 64
 
 
+def was_capped(completion: Any, max_new_tokens: int) -> bool:
+    """A completion that ran out of positions before max_new_tokens (the engine cuts every row's budget
+    to what the batch's longest prompt leaves in the model), not one that stopped or reached the limit."""
+    return completion.finish_reason == "length" and len(completion.tokens) < max_new_tokens
+
+
 def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any], world: World,
              max_new_tokens: int, prompt: Optional[Callable[[Any], str]] = None,
              engine_config: Optional[EngineConfig] = None,
@@ -33,7 +39,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequen
     engine = Engine(model, engine_config) if generate is None else None
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                             stop_token_ids=(tokenizer.eos_token_id,))
-    correct = steps_ok = steps_total = differs = full_marks = differs_full = 0
+    correct = steps_ok = steps_total = differs = full_marks = differs_full = capped = 0
     paths = hasattr(task, "solution_path")
     for start in range(0, len(mine), EVAL_BATCH):
         chunk = mine[start : start + EVAL_BATCH]
@@ -41,7 +47,9 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequen
             outs = generate(chunk)
         else:
             prompts = [prompt_ids(tokenizer, prompt(ex)) for ex in chunk]
-            outs = [out.tokens for out in engine.generate(prompts, params)]
+            completions = engine.generate(prompts, params)
+            capped += sum(was_capped(c, max_new_tokens) for c in completions)
+            outs = [out.tokens for out in completions]
         for ex, tokens in zip(chunk, outs):
             text = tokenizer.decode(tokens, skip_special_tokens=True)
             result = task.verify(ex, text)
@@ -54,9 +62,14 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequen
                 full_marks += result.reward == 1.0
                 differs_full += other and result.reward == 1.0
     counts = world.all_reduce_sum(torch.tensor([correct, steps_ok, steps_total, len(mine), differs, full_marks,
-                                                differs_full], dtype=torch.float64))
-    correct, steps_ok, steps_total, n, differs, full_marks, differs_full = counts.tolist()
+                                                differs_full, capped], dtype=torch.float64))
+    correct, steps_ok, steps_total, n, differs, full_marks, differs_full, capped = counts.tolist()
     out = {"accuracy": correct / max(n, 1), "step_accuracy": steps_ok / max(steps_total, 1), "n": int(n)}
+    if capped:  # the model's positions cut some completions short of max_new_tokens: say so
+        out["capped"] = int(capped)
+        if world.is_main:
+            print(f"eval: {int(capped)} of {int(n)} completions were cut short of {max_new_tokens} new tokens: "
+                  "their batch's longest prompt left fewer positions in the model", flush=True)
     if paths:
         out["path_differs"] = differs / max(n, 1)
         out["path_differs_correct"] = differs_full / max(full_marks, 1)

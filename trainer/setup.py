@@ -19,7 +19,9 @@ from algorithms import build_algorithm
 from algorithms.base import Algorithm, Capabilities, capabilities
 from models.loading import build_tiny, load_pretrained
 from tasks import build_task
+from tasks import DataError
 from tasks.chat import with_chat
+from tasks.lengths import LengthLimits, fit_lengths
 from trainer import checkpoint, default_model
 from trainer.backends import build_backend
 from trainer.config import DataConfig, ModelConfig, TrainConfig, to_dict
@@ -65,15 +67,34 @@ def build_task_from(data: DataConfig, model: ModelConfig | None = None):
                       max_examples=data.max_examples, artifacts_field=data.artifacts_field, **templates)
 
 
-def prompts_for(task, tokenizer, data: DataConfig, world: World | None = None):
-    """`task` with its prompts rendered as the run's tokenizer wants them: through its chat template
-    when data.chat_template says so (auto: when the tokenizer has one), else `task` itself. Training,
-    rollouts and eval all read prompts from the task this returns."""
+def prompts_for(task, tokenizer, data: DataConfig, world: World | None = None, positions: int | None = None,
+                with_teacher: bool = False):
+    """`task` as the run's model reads it: prompts through the tokenizer's chat template when
+    data.chat_template says so (auto: when the tokenizer has one), and examples fitted to the length
+    limits (data.max_prompt_tokens / data.max_length, unset = the model's `positions`) by
+    data.length_policy, both splits checked now, before any eval. Training, rollouts and eval all
+    read prompts and examples from the task this returns."""
+    main = world is None or world.is_main
     wrapped = with_chat(task, tokenizer, data.chat_template)
-    if wrapped is not task and (world is None or world.is_main):
+    if wrapped is not task and main:
         print("prompts: rendered with the tokenizer's chat template (data.chat_template="
               f"{data.chat_template}; false turns it off)", flush=True)
-    return wrapped
+    limits = LengthLimits(data.max_prompt_tokens, data.max_length, data.length_policy, with_teacher)
+    fitted = fit_lengths(wrapped, tokenizer, limits, positions)
+    if fitted is not wrapped:
+        fitted.train_examples()
+        try:
+            fitted.test_examples()
+        except DataError as err:
+            if "no test split" not in str(err):  # a task without one fails where eval asks for it, as before
+                raise
+    return fitted
+
+
+def model_positions(model) -> int | None:
+    """The positions the model has (config.max_position_embeddings), or None when it does not say."""
+    value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def load_model(m: ModelConfig, world: World):
@@ -101,7 +122,8 @@ def build_session(cfg: TrainConfig, world: World, model=None, tokenizer=None, ta
     task = task if task is not None else build_task_from(cfg.data, cfg.model)
     if model is None:
         model, tokenizer = load_model(cfg.model, world)
-    task = prompts_for(task, tokenizer, cfg.data, world)
+    task = prompts_for(task, tokenizer, cfg.data, world, model_positions(model),
+                       with_teacher=cfg.algo.traits.needs_reference)
     algo = build_algorithm(cfg.algo)
     caps = capabilities(algo)  # the contract, checked once; the loop never probes the algorithm
     if caps.check_task is not None:  # e.g. self-distillation needs reference solutions: fail before any work

@@ -230,7 +230,7 @@ def test_training_eval_rollouts_and_cli_build_identical_prompt_ids(monkeypatch, 
 
         def generate(self, prompts, params):
             seen.extend(prompts)
-            return [SimpleNamespace(tokens=[]) for _ in prompts]
+            return [SimpleNamespace(tokens=[], finish_reason="stop") for _ in prompts]
 
     monkeypatch.setattr(evaluation, "Engine", Recorder)
     evaluation.evaluate(None, tok, task, examples, World(), 4)
