@@ -101,3 +101,38 @@ def meta_model(config) -> PreTrainedModel:
 
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def export_gguf(gguf_path: str, out_dir: str) -> str:
+    """Write the GGUF checkpoint at `gguf_path` (model + tokenizer, de-quantized to fp32 by transformers'
+    `gguf` reader) as a plain Hugging Face directory `out_dir`, which `load_pretrained` then reads like
+    any other. Written to a temporary sibling and renamed into place only when complete; an existing
+    complete `out_dir` is reused as is. Needs the `gguf` package."""
+    import shutil
+    import tempfile
+
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return out_dir
+    if not os.path.isfile(gguf_path):
+        raise FileNotFoundError(f"{gguf_path}: no such GGUF file")
+    folder, name = os.path.split(os.path.abspath(gguf_path))
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # The reader marks the model as quantized with gguf (which cannot be saved); the weights it holds are
+    # already de-quantized fp32, so the marks are dropped before saving.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-gguf-", dir=parent)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.exists(os.path.join(out_dir, "config.json")):
+            raise
+    return out_dir
