@@ -95,6 +95,9 @@ def build_session(cfg: TrainConfig, world: World, model=None, tokenizer=None, ta
         caps.check_task(task)
     t = cfg.trainer
     backend, activations = apply_actor_update(cfg, world, algo, caps, model)
+    if world.is_main:
+        for key, why in getattr(cfg, "defaulted", {}).items():  # values load_config chose (trainer/config.py)
+            print(f"{key}: {_value(cfg, key)} (unset: the default for {why})", flush=True)
     stream = PromptStream(task.train_examples(), t.batch_size, cfg.seed, world.rank, world.size)
     resume_from = _resume_path(cfg)
     if world.is_main:
@@ -114,6 +117,11 @@ def build_session(cfg: TrainConfig, world: World, model=None, tokenizer=None, ta
         if tracker.bar is not None:
             tracker.bar.n = session.step
     return session
+
+
+def _value(cfg: TrainConfig, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
 
 
 def apply_actor_update(cfg: TrainConfig, world: World, algo: Algorithm, caps: Capabilities, model):
