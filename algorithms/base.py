@@ -303,6 +303,7 @@ class Traits:
     # embedded tiny model (None = the trainer's 1e-3). pretrained_lr: with model.path set (None = 1e-4 when
     # only LoRA adapters train, `algo.lora_rank > 0`, else 1e-5 for full fine-tuning of pretrained weights).
     tiny_lr: Optional[float] = None
+    lora: bool = False  # the config has models.lora.LoRAOptions' keys (algo.lora_rank > 0: adapters only train)
     pretrained_lr: Optional[float] = None
 
 

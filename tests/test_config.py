@@ -23,6 +23,9 @@ BAD_INPUTS = [
     (["+algo=sft", "backend=nope"], "backend/nope"),
     (["+algo=sft", "data.on_bad_row=maybe"], "data.on_bad_row=maybe"),
     (["+algo=seed", "backend=fsdp"], "backend=fsdp: algo seed does not run under FSDP2"),
+    (["+algo=sft", "model.dtype=float16", "backend=fsdp"], "model.dtype=float16 needs loss scaling, which backend=fsdp"),
+    (["+algo=sft", "model.dtype=float16", "backend=deepspeed"], "model.dtype=float16 needs loss scaling, which backend=deepspeed"),
+    (["+algo=sft", "model.dtype=fp8"], "model.dtype=fp8 is not one of float32, bfloat16, float16"),
     (["+algo=skipper", "algo.target_skip=1.0"], "algo.target_skip=1.0 must be in [0, 1)"),
     (["+algo=skipper", "algo.target_skip=-0.1"], "algo.target_skip=-0.1 must be in [0, 1)"),
     (["+algo=skipper", "algo.gate=nope"], "algo.gate=nope is not one of soft, hard"),
@@ -250,6 +253,14 @@ def test_unset_lr_on_a_pretrained_model_is_safe(hf_dir, args, expected):
     lr, defaulted = _lr(*args, "model=hf", f"model.path={hf_dir}")
     assert lr == expected
     assert defaulted["trainer.lr"].startswith("a pretrained model")
+
+
+def test_lora_trait_marks_the_configs_with_lora_keys():
+    from algorithms import config_schemas
+    from models.lora import LoRAOptions
+
+    for name, schema in config_schemas().items():  # default_lr reads algo.lora_rank only where declared
+        assert schema.traits.lora == issubclass(schema, LoRAOptions), name
 
 
 @pytest.mark.parametrize("args", [["+algo=sft"], ["+algo=opsd", "algo.lora_rank=8"], ["+algo=skipper"]])

@@ -28,7 +28,10 @@ class ConfigError(ValueError):
 class ModelConfig:
     name: str = "tiny"
     path: Optional[str] = None  # local HF dir or hub id; None => the embedded tiny model
-    dtype: str = "float32"  # weights dtype: float32 | bfloat16 | float16
+    # compute dtype of training, rollouts and evals: float32 | bfloat16 | float16. Weights, gradients and the
+    # optimizer state stay fp32 (master weights); bfloat16 / float16 run every forward under torch.autocast,
+    # float16 with loss scaling (single / ddp only). trainer/precision.py.
+    dtype: str = "float32"
     trust_remote_code: bool = False
     cache_dir: str = DEFAULT_CACHE  # where the warm-started tiny model is built and cached
     seed: int = 0  # the embedded tiny model's init and warm start (its own key: the run's `seed` does not rebuild it)
@@ -243,7 +246,7 @@ def default_lr(cfg: TrainConfig) -> tuple[float, str]:
         return TINY_LR, "the embedded tiny model"
     if traits.pretrained_lr is not None:
         return traits.pretrained_lr, f"a pretrained model, algo {cfg.algo.name}'s value (only its new modules train)"
-    if getattr(cfg.algo, "lora_rank", 0) > 0:
+    if traits.lora and cfg.algo.lora_rank > 0:
         return ADAPTER_LR, "a pretrained model, LoRA adapters only (algo.lora_rank > 0)"
     return PRETRAINED_LR, "a pretrained model, full fine-tuning"
 
@@ -323,6 +326,9 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.backend.name == "deepspeed" and not traits.deepspeed:
         raise ConfigError(f"backend=deepspeed: algo {cfg.algo.name} makes a different number of training rows "
                           "each step, and DeepSpeed fixes the micro-batches per step (use backend=ddp or backend=fsdp)")
+    if cfg.model.dtype == "float16" and cfg.backend.name in ("fsdp", "deepspeed"):
+        raise ConfigError(f"model.dtype=float16 needs loss scaling, which backend={cfg.backend.name} does not do here "
+                          "(use model.dtype=bfloat16, or backend=ddp)")
     if cfg.backend.name == "deepspeed" and cfg.backend.zero_stage not in (1, 2, 3):
         raise ConfigError(f"backend.zero_stage={cfg.backend.zero_stage} must be 1, 2 or 3 for deepspeed")
     if t.resume not in ("auto", "never") and not os.path.isdir(os.path.expanduser(t.resume)):
