@@ -26,6 +26,7 @@ def main(argv: list[str]) -> int:
         return 2
     from trainer.distributed import World
     from trainer.evaluation import evaluate
+    from trainer.precision import Precision
     from trainer.setup import build_task_from, load_model, model_positions, prompts_for
     from trainer.warm_start import ensure
 
@@ -35,7 +36,8 @@ def main(argv: list[str]) -> int:
     task = prompts_for(build_task_from(cfg.data, cfg.model), tokenizer, cfg.data, world, model_positions(model))
     examples = list(task.test_examples())[: cfg.trainer.eval_examples]
     stats = _skip_stats(model)
-    result = evaluate(model.eval(), tokenizer, task, examples, world, cfg.trainer.eval_max_new_tokens)
+    with Precision(cfg.model.dtype).autocast(world.device):  # as a training run's evals (trainer/precision.py)
+        result = evaluate(model.eval(), tokenizer, task, examples, world, cfg.trainer.eval_max_new_tokens)
     if stats is not None:
         result["skip_ratio"] = stats.skip_ratio()
     print(json.dumps(result))

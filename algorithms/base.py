@@ -299,6 +299,12 @@ class Traits:
     fsdp: bool = True  # runs under backend=fsdp
     deepspeed: bool = True  # runs under backend=deepspeed (a fixed number of micro-batches per step)
     zero_steps: bool = False  # trainer.max_steps=0 is meaningful (evaluate and export without training)
+    # trainer.lr when the user leaves it unset (resolved by trainer/config.py::default_lr). tiny_lr: on the
+    # embedded tiny model (None = the trainer's 1e-3). pretrained_lr: with model.path set (None = 1e-4 when
+    # only LoRA adapters train, `algo.lora_rank > 0`, else 1e-5 for full fine-tuning of pretrained weights).
+    tiny_lr: Optional[float] = None
+    lora: bool = False  # the config has models.lora.LoRAOptions' keys (algo.lora_rank > 0: adapters only train)
+    pretrained_lr: Optional[float] = None
 
 
 def pad_right(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -52,7 +52,7 @@ REUSE_MODES = ("full", "prefix", "suffix")  # inference.suffix.MODES (a test kee
 
 @dataclass
 class CLMConfig(LoRAOptions):
-    traits: ClassVar[Traits] = Traits(deepspeed=False)
+    traits: ClassVar[Traits] = Traits(deepspeed=False, tiny_lr=1e-4, lora=True)
     name: str = "clm"
     num_generations: int = 8  # G episodes per task episode
     temperature: float = 1.0  # rollout temperature; the loss divides logits by it too

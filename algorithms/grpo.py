@@ -58,7 +58,7 @@ REWARD_MODES = ("answer", "steps", "partial")
 
 @dataclass
 class GRPOConfig(LoRAOptions):
-    traits: ClassVar[Traits] = Traits(prompt_sharing=True)
+    traits: ClassVar[Traits] = Traits(prompt_sharing=True, tiny_lr=3e-5, lora=True)
     name: str = "grpo"
     num_generations: int = 8  # G completions per prompt
     temperature: float = 1.0  # rollout temperature; the loss divides logits by it too

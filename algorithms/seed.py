@@ -80,7 +80,7 @@ class SEEDConfig:
     self_temperature: float = 0.0  # data_source=self: sampling temperature (0 = greedy)
     self_anchor: bool = True  # data_source=self: L_full = KL(p_start || p_model), not CE on own tokens
     # The decoder pass calls the top layers' modules directly, outside FSDP2's unshard hooks.
-    traits: ClassVar[Traits] = Traits(fsdp=False)
+    traits: ClassVar[Traits] = Traits(fsdp=False, tiny_lr=3e-4)
     draft_len: int = DRAFTER.draft_len  # runtime: max drafted tokens per verify (written to seed_drafter.json, used in eval)
     confidence: float = DRAFTER.confidence  # runtime: stop drafting when the drafter's top probability falls below this
     adaptive: bool = DRAFTER.adaptive  # runtime: confidence-based draft length; False = always draft_len drafts

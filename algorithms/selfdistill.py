@@ -29,7 +29,7 @@ DIVERGENCES = ("full", "sampled")
 class SelfDistillConfig(LoRAOptions):
     """The keys OPSD, MASS and TESD share (each config adds `name` and its own keys)."""
 
-    traits: ClassVar[Traits] = Traits(needs_reference=True)  # the teacher prompt carries the reference
+    traits: ClassVar[Traits] = Traits(needs_reference=True, tiny_lr=3e-5, lora=True)  # the teacher prompt carries the reference
 
     temperature: float = 1.1  # rollout sampling temperature; the divergence uses logits / temperature too
     top_p: float = 0.95

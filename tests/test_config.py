@@ -23,6 +23,9 @@ BAD_INPUTS = [
     (["+algo=sft", "backend=nope"], "backend/nope"),
     (["+algo=sft", "data.on_bad_row=maybe"], "data.on_bad_row=maybe"),
     (["+algo=seed", "backend=fsdp"], "backend=fsdp: algo seed does not run under FSDP2"),
+    (["+algo=sft", "model.dtype=float16", "backend=fsdp"], "model.dtype=float16 needs loss scaling, which backend=fsdp"),
+    (["+algo=sft", "model.dtype=float16", "backend=deepspeed"], "model.dtype=float16 needs loss scaling, which backend=deepspeed"),
+    (["+algo=sft", "model.dtype=fp8"], "model.dtype=fp8 is not one of float32, bfloat16, float16"),
     (["+algo=skipper", "algo.target_skip=1.0"], "algo.target_skip=1.0 must be in [0, 1)"),
     (["+algo=skipper", "algo.target_skip=-0.1"], "algo.target_skip=-0.1 must be in [0, 1)"),
     (["+algo=skipper", "algo.gate=nope"], "algo.gate=nope is not one of soft, hard"),
@@ -203,3 +206,74 @@ def test_bad_warm_start_task_is_one_line():
 
     with pytest.raises(ConfigError, match=r"^model.warm_start_task=gsm8k is not one of auto, arith, multipath, artifacts, clm$"):
         load_config(["+algo=sft", "model.warm_start_task=gsm8k"], config_schemas())
+
+
+# --- trainer.lr: resolved when unset ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A small pretrained-model directory (random Qwen3 + the char tokenizer), as model=hf reads it."""
+    from models.loading import random_qwen3
+    from models.tokenizer import build_char_tokenizer
+
+    path = tmp_path_factory.mktemp("hf")
+    tok = build_char_tokenizer()
+    random_qwen3(len(tok), hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def _lr(*args):
+    from algorithms import config_schemas
+    from trainer.config import load_config
+
+    cfg = load_config(list(args), config_schemas())
+    return cfg.trainer.lr, cfg.defaulted
+
+
+@pytest.mark.parametrize("algo,expected", [("sft", 1e-3), ("opsd", 3e-5), ("grpo", 3e-5), ("skipper", 3e-3),
+                                           ("attuner", 5e-3)])
+def test_unset_lr_on_the_tiny_model_keeps_its_tuned_value(algo, expected):
+    lr, defaulted = _lr(f"+algo={algo}")
+    assert lr == expected and "trainer.lr" in defaulted  # the values the algo YAMLs used to set
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["+algo=sft"], 1e-5),  # full fine-tuning
+    (["+algo=opsd"], 1e-5),
+    (["+algo=seed"], 1e-5),  # seed and qad train every weight
+    (["+algo=qad"], 1e-5),
+    (["+algo=opsd", "algo.lora_rank=8"], 1e-4),  # LoRA adapters only
+    (["+algo=grpo", "algo.lora_rank=16"], 1e-4),
+    (["+algo=skipper"], 1e-4),  # new routers + adapters on a frozen base
+    (["+algo=attuner", "data=artifacts"], 5e-4),  # q_proj LoRA; the value docs/attuner.md measured on SmolLM2
+])
+def test_unset_lr_on_a_pretrained_model_is_safe(hf_dir, args, expected):
+    lr, defaulted = _lr(*args, "model=hf", f"model.path={hf_dir}")
+    assert lr == expected
+    assert defaulted["trainer.lr"].startswith("a pretrained model")
+
+
+def test_lora_trait_marks_the_configs_with_lora_keys():
+    from algorithms import config_schemas
+    from models.lora import LoRAOptions
+
+    for name, schema in config_schemas().items():  # default_lr reads algo.lora_rank only where declared
+        assert schema.traits.lora == issubclass(schema, LoRAOptions), name
+
+
+@pytest.mark.parametrize("args", [["+algo=sft"], ["+algo=opsd", "algo.lora_rank=8"], ["+algo=skipper"]])
+def test_a_user_set_lr_is_kept(hf_dir, args):
+    assert _lr(*args, "model=hf", f"model.path={hf_dir}", "trainer.lr=2e-3") == (2e-3, {})
+    assert _lr(*args, "trainer.lr=7e-4") == (7e-4, {})  # and on the tiny model
+
+
+def test_the_resolved_lr_reaches_the_optimizer_and_is_printed(hf_dir, tmp_path, capsys):
+    from trainer.distributed import World
+    from trainer.setup import build_session
+
+    cfg = tiny_config(tmp_path / "run", "model=hf", f"model.path={hf_dir}", "trainer.lr=null")
+    session = build_session(cfg, World())
+    assert [g["initial_lr"] for g in session.backend.optimizer.param_groups] == [1e-5]  # the schedule's peak
+    assert "trainer.lr: 1e-05 (unset: the default for a pretrained model, full fine-tuning)" in capsys.readouterr().out

@@ -28,8 +28,10 @@ COMMON_OVERRIDES = {
     "model.warm_start_batch_size": 64,
     "model.warm_start_reference_fraction": 0.5,
 }
+# trainer.lr is null in the YAML and the dataclass and resolved by load_config (trainer/config.py::default_lr):
+# on the embedded tiny model to 1e-3 or the algorithm's Traits.tiny_lr, so every entry lists it.
 ALGO_OVERRIDES = {
-    "sft": {},
+    "sft": {"trainer.lr": 1e-3},
     # opsd/mass/tesd: measured on the embedded default, lr 1e-4 with the `current` teacher collapses
     # student and teacher together within ~80 steps; 3e-5 is stable.
     "opsd": {"trainer.lr": 3e-5},

@@ -23,8 +23,9 @@ from torch import nn
 
 from models.anatomy import decoder_layers
 from trainer.distributed import World
+from trainer.precision import Precision, check_masters
 
-OPTIM_FILE, MODEL_FILE, SCHED_FILE = "optimizer.pt", "model.pt", "scheduler.pt"
+OPTIM_FILE, MODEL_FILE, SCHED_FILE, SCALER_FILE = "optimizer.pt", "model.pt", "scheduler.pt", "scaler.pt"
 
 
 class Backend(Protocol):
@@ -61,6 +62,7 @@ def lr_lambda(warmup_steps: int, max_steps: int, min_ratio: float):
 
 
 def make_optimizer(params: list[nn.Parameter], tcfg: Any) -> torch.optim.Optimizer:
+    check_masters(params)  # fp32 master weights only: AdamW on bf16 parameters silently drops small updates
     return torch.optim.AdamW(params, lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
 
 
@@ -75,24 +77,33 @@ def _trainable(model: nn.Module) -> list[nn.Parameter]:
 
 
 class SingleBackend:
-    """One process; also the base of DDP, which only adds the wrapper and the sync context."""
+    """One process; also the base of DDP, which only adds the wrapper and the sync context. With
+    model.dtype=float16 the loss is scaled (torch.amp.GradScaler): gradients are unscaled before
+    clipping, and a step whose gradients overflowed is skipped (the scale then halves)."""
 
-    def __init__(self, model: nn.Module, tcfg: Any, world: World):
+    def __init__(self, model: nn.Module, tcfg: Any, world: World, precision: Precision = Precision()):
         self.world = world
         self.model = model
         self.train_model: nn.Module = model
         self.optimizer = make_optimizer(_trainable(model), tcfg)
         self.scheduler = make_scheduler(self.optimizer, tcfg)
+        self.scaler = precision.grad_scaler(world.device)
 
     def accumulate(self, last: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
     def step(self, max_norm: float) -> float:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(_trainable(self.model), max_norm)
-        self.optimizer.step()
+        if self.scaler is None:
+            self.optimizer.step()
+        else:  # skips the step when a gradient is inf/NaN (DDP: the same all-reduced gradients on every rank)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -109,18 +120,22 @@ class SingleBackend:
             torch.save(self.model.state_dict(), os.path.join(path, MODEL_FILE))
             torch.save(self.optimizer.state_dict(), os.path.join(path, OPTIM_FILE))
             torch.save(self.scheduler.state_dict(), os.path.join(path, SCHED_FILE))
+            if self.scaler is not None:
+                torch.save(self.scaler.state_dict(), os.path.join(path, SCALER_FILE))
 
     def load(self, path: str) -> None:
         self.model.load_state_dict(torch.load(os.path.join(path, MODEL_FILE), map_location=self.world.device))
         self.optimizer.load_state_dict(torch.load(os.path.join(path, OPTIM_FILE), map_location=self.world.device))
         self.scheduler.load_state_dict(torch.load(os.path.join(path, SCHED_FILE)))
+        if self.scaler is not None and os.path.exists(os.path.join(path, SCALER_FILE)):
+            self.scaler.load_state_dict(torch.load(os.path.join(path, SCALER_FILE)))
 
 
 class DDPBackend(SingleBackend):
     """Full replicas; gradients averaged in backward (bucketed all-reduce)."""
 
-    def __init__(self, model: nn.Module, tcfg: Any, world: World):
-        super().__init__(model, tcfg, world)
+    def __init__(self, model: nn.Module, tcfg: Any, world: World, precision: Precision = Precision()):
+        super().__init__(model, tcfg, world, precision)
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [world.device.index] if world.device.type == "cuda" else None
@@ -132,7 +147,11 @@ class DDPBackend(SingleBackend):
 
 class FSDPBackend:
     """FSDP2: `fully_shard` each decoder layer, then the root. Params, grads and optimizer state
-    are sharded; rollouts/eval/export read a full-weight replica refreshed from the shards."""
+    are sharded; rollouts/eval/export read a full-weight replica refreshed from the shards.
+    Mixed precision: the sharded parameters stay fp32 (the masters) and the loop's autocast casts at
+    each matmul, as on every backend; no MixedPrecisionPolicy, whose bf16 param_dtype would also run
+    the norms in bf16 and so differ from the other backends (its all-gathers would be half the bytes).
+    float16 (loss scaling over sharded gradients) is refused at config loading."""
 
     def __init__(self, model: nn.Module, tcfg: Any, world: World):
         from torch.distributed.fsdp import fully_shard
@@ -146,6 +165,7 @@ class FSDPBackend:
         self.model = self.train_model = model
         self.optimizer = make_optimizer(_trainable(model), tcfg)
         self.scheduler = make_scheduler(self.optimizer, tcfg)
+        self.scaler = None  # SingleBackend's backward / step without loss scaling (float16 is refused here)
 
     def accumulate(self, last: bool) -> contextlib.AbstractContextManager:
         return _fsdp_sync(self.model, last)
@@ -204,7 +224,11 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 class DeepSpeedBackend:
-    """DeepSpeed ZeRO-1/2/3 with torch AdamW inside DeepSpeed and our warm-up/cosine schedule."""
+    """DeepSpeed ZeRO-1/2/3 with torch AdamW inside DeepSpeed and our warm-up/cosine schedule.
+    DeepSpeed's own bf16 / fp16 modes stay off: they cast the module itself, so rollouts, eval and export
+    would read low-precision weights, unlike the other backends. The module stays fp32 (the masters, and
+    so the optimizer state) and the loop's autocast sets the compute dtype; float16 is refused at config
+    loading (it would need DeepSpeed's loss scaling)."""
 
     TAG = "deepspeed"
 
@@ -218,7 +242,7 @@ class DeepSpeedBackend:
             "gradient_accumulation_steps": micro_steps,
             "gradient_clipping": tcfg.max_grad_norm,
             "zero_optimization": {"stage": zero_stage},
-            "bf16": {"enabled": world.device.type == "cuda" and torch.cuda.is_bf16_supported()},
+            "bf16": {"enabled": False},  # fp32 module + the loop's autocast (see the class docstring)
             "optimizer": {
                 "type": "AdamW",
                 "params": {"lr": tcfg.lr, "betas": list(tcfg.betas), "weight_decay": tcfg.weight_decay,
@@ -265,13 +289,17 @@ class DeepSpeedBackend:
         self.engine.load_checkpoint(path, tag=self.TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
 
 
-def build_backend(name: str, model: nn.Module, tcfg: Any, world: World, zero_stage: int = 0, micro_steps: int = 1):
+def build_backend(name: str, model: nn.Module, tcfg: Any, world: World, zero_stage: int = 0, micro_steps: int = 1,
+                  precision: Precision = Precision()):
     if name != "single" and not world.distributed and name != "deepspeed":
         name = "single"  # a world of one needs no wrapper; the result is identical
+    if precision.scales_loss and name in ("fsdp", "deepspeed"):
+        raise ValueError(f"model.dtype=float16 needs loss scaling, which backend={name} does not do here")
+    check_masters(_trainable(model))  # before any wrapper: DeepSpeed builds its own optimizer
     if name == "single":
-        return SingleBackend(model, tcfg, world)
+        return SingleBackend(model, tcfg, world, precision)
     if name == "ddp":
-        return DDPBackend(model, tcfg, world)
+        return DDPBackend(model, tcfg, world, precision)
     if name == "fsdp":
         return FSDPBackend(model, tcfg, world)
     if name == "deepspeed":

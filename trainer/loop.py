@@ -23,6 +23,7 @@ from models.anatomy import no_kv_cache
 from trainer import checkpoint
 from trainer.distributed import World
 from trainer.evaluation import evaluate
+from trainer.precision import Precision
 from trainer.stream import PromptStream
 from trainer.tracking import Tracker
 
@@ -94,7 +95,8 @@ def fit(s: Session) -> str:
         while s.step < t.max_steps:
             s.step += 1
             started = time.perf_counter()
-            batch = s.algo.make_batch(s.stream.next_batch(), rollout_context(s))
+            with autocast(s):  # rollouts and no-grad teacher / reference passes in the training compute dtype
+                batch = s.algo.make_batch(s.stream.next_batch(), rollout_context(s))
             make_batch_s = time.perf_counter() - started
             record = train_step(s, batch)
             elapsed = time.perf_counter() - started
@@ -138,7 +140,7 @@ def train_step(s: Session, batch: Batch) -> dict:
         if s.activations is not None:  # the policy-update exposure of these tokens, known before backward
             s.activations.set_exposure(s.caps.exposure(micro) if s.caps.exposure is not None else None)
         # no KV cache in training forwards: activation recompute would append the same keys twice
-        with backend.accumulate(last=i == len(micros) - 1), _autocast(world.device), \
+        with backend.accumulate(last=i == len(micros) - 1), autocast(s), \
                 no_kv_cache(backend.train_model):
             out = s.algo.loss(backend.train_model, micro, normaliser)
         _check_finite(s, out.loss, i, micro)
@@ -193,17 +195,21 @@ def _check_finite(s: Session, loss: torch.Tensor, micro_index: int, micro: Batch
         )
 
 
-def _autocast(device: torch.device):
-    """bf16 autocast on GPU; fp32 on CPU (exact, and what the resume/parity tests compare)."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
+def autocast(s: Session):
+    """The run's compute dtype (model.dtype, trainer/precision.py) on its device, CPU or GPU: every forward
+    of the run -- the loss, rollouts, teacher passes and evals -- runs in it; fp32 disables autocast."""
+    return Precision(s.cfg.model.dtype).autocast(s.world.device)
 
 
 def run_eval(s: Session) -> dict:
-    """Greedy held-out accuracy of the student prompt; for algorithms that distil from a reference,
-    also of the teacher prompt (question + reference) as `teacher_accuracy` -- self-distillation only
-    helps when that is well above the student's."""
+    """Greedy held-out accuracy (in the run's compute dtype, like its rollouts) of the student prompt; for
+    algorithms that distil from a reference, also of the teacher prompt (question + reference) as
+    `teacher_accuracy` -- self-distillation only helps when that is well above the student's."""
+    with autocast(s):
+        return _run_eval(s)
+
+
+def _run_eval(s: Session) -> dict:
     t = s.cfg.trainer
     examples = list(s.task.test_examples())[: t.eval_examples]
     model = s.backend.full_model()

@@ -27,6 +27,7 @@ from trainer.backends import build_backend
 from trainer.config import DataConfig, ModelConfig, TrainConfig, to_dict
 from trainer.distributed import World
 from trainer.loop import Session, resume
+from trainer.precision import Precision, masters
 from trainer.prompt_sharing import shared_prompt_logprobs
 from trainer.stream import PromptStream
 from trainer.tracking import Tracker
@@ -100,9 +101,11 @@ def model_positions(model) -> int | None:
 def load_model(m: ModelConfig, world: World):
     """The configured model + tokenizer: a path, the tiny model at random init (`warm_start_steps=0`),
     or the warm-started tiny model from its cache entry, which the warm-start stage
-    (trainer/warm_start.py, run by train.py before the session) has built."""
+    (trainer/warm_start.py, run by train.py before the session) has built. Weights load in fp32 whatever
+    model.dtype says: they are the master weights, and model.dtype is the compute dtype
+    (trainer/precision.py: every forward runs under its autocast)."""
     if m.path is not None:
-        return load_pretrained(os.path.expanduser(m.path), m.dtype, m.trust_remote_code)
+        return load_pretrained(os.path.expanduser(m.path), "float32", m.trust_remote_code)
     m = default_model.resolve(m)
     if m.warm_start_steps == 0:
         return build_tiny(default_model.spec(m), m.seed)
@@ -130,6 +133,10 @@ def build_session(cfg: TrainConfig, world: World, model=None, tokenizer=None, ta
         caps.check_task(task)
     t = cfg.trainer
     backend, activations = apply_actor_update(cfg, world, algo, caps, model)
+    if world.is_main:
+        print(Precision(cfg.model.dtype).describe(), flush=True)
+        for key, why in getattr(cfg, "defaulted", {}).items():  # values load_config chose (trainer/config.py)
+            print(f"{key}: {_value(cfg, key)} (unset: the default for {why})", flush=True)
     stream = PromptStream(task.train_examples(), t.batch_size, cfg.seed, world.rank, world.size)
     resume_from = _resume_path(cfg)
     if world.is_main:
@@ -151,6 +158,11 @@ def build_session(cfg: TrainConfig, world: World, model=None, tokenizer=None, ta
     return session
 
 
+def _value(cfg: TrainConfig, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
 def apply_actor_update(cfg: TrainConfig, world: World, algo: Algorithm, caps: Capabilities, model):
     """The model the optimizer updates, with every actor-update option applied in this order:
     1. the algorithm's surgery (LoRA adapters, ...) and what trains;
@@ -160,6 +172,10 @@ def apply_actor_update(cfg: TrainConfig, world: World, algo: Algorithm, caps: Ca
     Returns (backend, activation manager or None)."""
     t = cfg.trainer
     model = algo.prepare_model(model).to(world.device)
+    precision = Precision(cfg.model.dtype)
+    cast = masters(model)  # a caller's low-precision model: what the optimizer updates becomes fp32
+    if cast and world.is_main:
+        print(f"precision: {len(cast)} trainable parameters cast to fp32 master weights (e.g. {cast[0]})", flush=True)
     if caps.plan is not None:  # e.g. QAD's stages over trainer.max_steps
         caps.plan(t.max_steps)
     activations = install_activations(model, t)
@@ -167,7 +183,8 @@ def apply_actor_update(cfg: TrainConfig, world: World, algo: Algorithm, caps: Ca
         assert caps.share_prompts is not None, "config validation admits prompt sharing only for such algorithms"
         caps.share_prompts(shared_prompt_logprobs)
     micro_steps = -(-_per_rank_batch(t.batch_size, world.size) * caps.rows_per_prompt // t.micro_batch_size)
-    return build_backend(cfg.backend.name, model, t, world, cfg.backend.zero_stage, micro_steps), activations
+    backend = build_backend(cfg.backend.name, model, t, world, cfg.backend.zero_stage, micro_steps, precision)
+    return backend, activations
 
 
 def install_activations(model, t):

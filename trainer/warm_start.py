@@ -22,6 +22,7 @@ Publishing rules (an entry is reused by every later run, so a bad one would pois
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import glob
 import json
@@ -121,7 +122,7 @@ def build(m, path: str) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     cfg = TrainConfig(
-        output_dir=tmp, seed=m.seed, model=m,
+        output_dir=tmp, seed=m.seed, model=dataclasses.replace(m, dtype="float32"),  # the recipe is fp32, whatever the run's
         data=DataConfig(name=m.warm_start_task, **data),
         backend=BackendConfig(name="single"), logging=LoggingConfig(wandb=False),
         trainer=TrainerConfig(max_steps=r["steps"], batch_size=r["batch_size"], micro_batch_size=WARM_MICRO_BATCH,
