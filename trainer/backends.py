@@ -207,6 +207,7 @@ class DeepSpeedBackend:
     """DeepSpeed ZeRO-1/2/3 with torch AdamW inside DeepSpeed and our warm-up/cosine schedule."""
 
     TAG = "deepspeed"
+    fixed_micro_steps = True  # the accumulation boundary is a count of backwards: the loop skips none
 
     def __init__(self, model: nn.Module, tcfg: Any, world: World, zero_stage: int, micro_steps: int):
         import deepspeed
