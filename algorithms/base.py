@@ -2,7 +2,7 @@
 
 An algorithm never touches process groups, optimizers or files. The contract is `Algorithm` below;
 optional capabilities (`ChecksTask`, `GroupedRollouts`, `SharesPrompts`, `ExposesTokens`,
-`EvaluatesDrafter`, `ServesEval`, `Scheduled`) are typed protocols resolved once at setup into `Capabilities`, and the config
+`EvaluatesDrafter`, `ServesEval`, `Scheduled`, `KnowsZeroLoss`) are typed protocols resolved once at setup into `Capabilities`, and the config
 declares `Traits`. The trainer (trainer/loop.py) calls, per step,
 
     batch = algo.make_batch(examples, ctx)       # no grad: rollouts, teacher passes, rewards
@@ -225,6 +225,15 @@ class ExposesTokens(Protocol):
 
 
 @runtime_checkable
+class KnowsZeroLoss(Protocol):
+    def zero_loss(self, micro: Batch) -> bool:
+        """True only when `loss(model, micro, normaliser)` is exactly 0 with an exactly zero gradient
+        for every weight, whatever the weights are (e.g. GRPO without a KL term on rows whose
+        advantages are all 0). The trainer may then skip that micro-batch's forward and backward;
+        answering True wrongly changes training, so an algorithm answers False when unsure."""
+
+
+@runtime_checkable
 class EvaluatesDrafter(Protocol):
     summary_metrics: dict[str, str]  # eval metric -> how train.py's before -> after summary names it
 
@@ -268,6 +277,7 @@ class Capabilities:
     summary_metrics: dict[str, str] = field(default_factory=dict)
     plan: Optional[Callable[[int], Any]] = None
     eval_completions: Optional[Callable[..., list]] = None
+    zero_loss: Optional[Callable[[Batch], bool]] = None
 
 
 def capabilities(algo: Any) -> Capabilities:
@@ -287,6 +297,7 @@ def capabilities(algo: Any) -> Capabilities:
         summary_metrics=dict(algo.summary_metrics) if drafter else {},
         plan=algo.plan if isinstance(algo, Scheduled) else None,
         eval_completions=algo.eval_completions if isinstance(algo, ServesEval) else None,
+        zero_loss=algo.zero_loss if isinstance(algo, KnowsZeroLoss) else None,
     )
 
 

@@ -261,6 +261,16 @@ class GRPO:
         weight. Tokens of zero-advantage rows are not exposed at all (trainer/activations/)."""
         return micro.policy.advantages.abs().unsqueeze(1) * self.token_weights(micro)
 
+    def zero_loss(self, micro: Batch) -> bool:
+        """True when no completion token of `micro` sits in a row with a non-zero advantage and there is
+        no KL term: every token's clipped term is then -min(rho 0, clip(rho) 0) = 0, so the loss and its
+        gradient are exactly 0 and the trainer skips the micro-batch's forward and backward. With
+        `beta > 0` the KL term trains every token whatever its advantage, so nothing is skipped."""
+        if self.cfg.beta > 0:
+            return False
+        live = micro.loss_mask.bool() & (micro.policy.advantages != 0).unsqueeze(1)
+        return not bool(live.any())
+
     def loss(self, model: nn.Module, micro: Batch, normaliser: torch.Tensor) -> StepOutput:
         c, sel = self.cfg, micro.loss_mask.bool()
         logp = self.token_logprobs(model, micro)  # (N,)

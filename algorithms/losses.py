@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from models.anatomy import Head
+from models.anatomy import Head, detach_head, head_logits
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
@@ -170,17 +170,18 @@ def auto_chunk(vocab: int, views: int) -> int:
 
 def head_logp(hidden: Tensor, head: Optional[Head], temperature: float) -> Tensor:
     """log_softmax(head(hidden) / T) in fp32. hidden (..., H) -> (..., V). With head None, `hidden`
-    already holds logits (the fallback when the head weight is not directly usable)."""
-    logits = hidden if head is None else torch.nn.functional.linear(hidden, head[0], head[1])
+    already holds logits (the fallback when the head weight is not directly usable); a soft-capped
+    head is capped before the temperature, as the model's own logits are."""
+    logits = hidden if head is None else head_logits(hidden, head)
     return torch.log_softmax(logits.float() / temperature, dim=-1)
 
 
-def _distill_chunk(student_in: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], teacher_hidden: Tensor,
-                   t_weight: Tensor, t_bias: Optional[Tensor], targets: Tensor, beta: float, temperature: float,
-                   aggregate: str, top_k: int, form: str) -> tuple[Tensor, Tensor]:
-    student_logp = head_logp(student_in, None if weight is None else (weight, bias), temperature)  # (n, V)
+def _distill_chunk(student_in: Tensor, student_head: Optional[Head], teacher_hidden: Tensor, teacher_head: Head,
+                   targets: Tensor, beta: float, temperature: float, aggregate: str, top_k: int, form: str
+                   ) -> tuple[Tensor, Tensor]:
+    student_logp = head_logp(student_in, student_head, temperature)  # (n, V)
     with torch.no_grad():
-        views = head_logp(teacher_hidden.transpose(0, 1), (t_weight, t_bias), temperature)  # (K, n, V)
+        views = head_logp(teacher_hidden.transpose(0, 1), teacher_head, temperature)  # (K, n, V)
         teacher_logp = aggregate_views(views, aggregate)  # (n, V)
     token_logp = student_logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (n,)
     if form == "sampled":
@@ -206,14 +207,13 @@ def chunked_self_distill(student_in: Tensor, student_head: Optional[Head], teach
     assert teacher_hidden.dim() == 3 and teacher_hidden.shape[0] == student_in.shape[0] == targets.shape[0]
     if form not in ("full", "sampled"):
         raise ValueError(f"unknown divergence form {form!r}; expected 'full' or 'sampled'")
-    weight, bias = student_head if student_head is not None else (None, None)
-    t_weight, t_bias = (t.detach() if t is not None else None for t in teacher_head)
+    teacher_head = detach_head(teacher_head)
     divs, logps = [], []
     for start in range(0, targets.shape[0], chunk):
         sl = slice(start, start + chunk)
-        args = (student_in[sl], weight, bias, teacher_hidden[sl], t_weight, t_bias, targets[sl],
+        args = (student_in[sl], student_head, teacher_hidden[sl], teacher_head, targets[sl],
                 beta, temperature, aggregate, top_k, form)
-        if student_in.requires_grad or (weight is not None and weight.requires_grad):
+        if student_in.requires_grad or (student_head is not None and student_head[0].requires_grad):
             div, logp = checkpoint(_distill_chunk, *args, use_reentrant=False)
         else:
             div, logp = _distill_chunk(*args)
@@ -267,9 +267,8 @@ def teacher_top_tokens(teacher_hidden: Tensor, teacher_head: Head, *, temperatur
     return torch.cat(tops) if tops else teacher_hidden.new_zeros(0, dtype=torch.long)
 
 
-def _token_logp_chunk(features: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], targets: Tensor,
-                      temperature: float) -> Tensor:
-    logp = head_logp(features, None if weight is None else (weight, bias), temperature)  # (n, V)
+def _token_logp_chunk(features: Tensor, head: Optional[Head], targets: Tensor, temperature: float) -> Tensor:
+    logp = head_logp(features, head, temperature)  # (n, V)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
@@ -277,10 +276,9 @@ def chunked_token_logprobs(features: Tensor, head: Optional[Head], targets: Tens
                            chunk: int = 512) -> Tensor:
     """log_softmax(head(features) / T)[target] per token, chunked (and checkpointed under grad) so
     only one chunk of logits is alive. features (N, H) -- or (N, V) logits with head None -> (N,)."""
-    weight, bias = head if head is not None else (None, None)
-    grad = features.requires_grad or (weight is not None and weight.requires_grad)
+    grad = features.requires_grad or (head is not None and head[0].requires_grad)
     parts = []
     for start in range(0, targets.shape[0], chunk):
-        args = (features[start: start + chunk], weight, bias, targets[start: start + chunk], temperature)
+        args = (features[start: start + chunk], head, targets[start: start + chunk], temperature)
         parts.append(checkpoint(_token_logp_chunk, *args, use_reentrant=False) if grad else _token_logp_chunk(*args))
     return torch.cat(parts) if parts else features.new_zeros(0, dtype=torch.float32)

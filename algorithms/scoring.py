@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from algorithms.base import pad_right
-from models.anatomy import Head, final_hidden, output_head
+from models.anatomy import Head, causal_lm, detach_head, final_hidden, output_head
 
 
 def student_features(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
@@ -65,8 +65,10 @@ def scatter_tokens(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
 
 
 def detached_head(teacher: nn.Module) -> Head:
-    head = output_head(teacher)
+    """The teacher's output head, detached, for projecting its stored hidden states in the loss; a
+    soft-capped head (Gemma-2) carries its cap (`models.anatomy.head_logits` applies it)."""
+    head = output_head(teacher, softcap=True)
     if head is None:
-        raise ValueError("self-distillation needs a plain linear output head on the teacher (models with logit "
-                         "soft-capping or scaling are not supported)")
-    return head[0].detach(), None if head[1] is None else head[1].detach()
+        raise ValueError(f"self-distillation needs a linear output head on the teacher ({type(causal_lm(teacher)).__name__}: "
+                         "logit scaling and sharded heads are not supported)")
+    return detach_head(head)

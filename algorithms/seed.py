@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 from torch import nn
@@ -57,6 +57,7 @@ from algorithms.rollouts import completion_mask, encode, encode_prompt, sample
 from algorithms.scoring import detached_head, teacher_hidden
 from algorithms.teacher import SelfTeacher
 from inference.artifacts import DRAFTER_DEFAULTS as DRAFTER, SEED_DRAFTER_FILE, DrafterSpec, write_drafter_spec
+from inference.lean import lean_unsupported_reason
 from models.anatomy import causal_lm, decoder_layers as decoder_layers_of, final_hidden, output_head
 from models.export import export_model
 
@@ -102,19 +103,40 @@ class SEEDConfig:
         if not 0.0 <= self.confidence <= 1.0:
             raise ValueError(f"algo.confidence={self.confidence} must be in [0, 1]")
 
+    def check_run(self, max_steps: int, skeleton: Optional[Callable[[], nn.Module]]) -> None:
+        """At config validation: the split against the model's depth and the architecture against
+        what the runtime serves (`check_split`), on the meta-device skeleton; skipped when the layout
+        is not known before loading (a hub id, an adapter dir), where prepare_model checks instead."""
+        if skeleton is not None:
+            check_split(skeleton(), self.decoder_layers)
+
 
 # --- model plumbing ---------------------------------------------------------------------------------
 
 
-def check_split(model: nn.Module, decoder_layers: int) -> None:
+def serving_problem(model: nn.Module) -> str | None:
+    """Why `python -m inference DIR --speculative seed` could not serve a SEED drafter of this model's
+    architecture, or None. The predicate is the runtime's own: speculative decoding runs on the lean
+    decoder and refuses any model `inference.lean.lean_unsupported_reason` names a reason for (an
+    architecture other than Llama / Qwen2 / Qwen3, sliding-window or other non-full attention,
+    scaled or partial RoPE, another activation, ...)."""
     lm = causal_lm(model)
+    reason = lean_unsupported_reason(lm)
+    if reason is None:
+        return None
+    return (f"algo=seed cannot train a drafter for {type(lm).__name__}: `python -m inference --speculative seed` "
+            f"could not serve it ({reason})")
+
+
+def check_split(model: nn.Module, decoder_layers: int) -> None:
+    """The split and the architecture, checked before any work: at config validation on the model's
+    meta-device skeleton (SEEDConfig.check_run) and again in prepare_model on the loaded model."""
     n = len(decoder_layers_of(model, user="SEED"))
     if not 1 <= decoder_layers < n:
         raise ValueError(f"algo.decoder_layers={decoder_layers} must be >= 1 and < the model's {n} layers")
-    types = getattr(lm.config, "layer_types", None) or []
-    if any(kind != "full_attention" for kind in types):
-        raise ValueError("SEED's decoder pass supports full attention only; the model has layer types "
-                         f"{sorted(set(types))}")
+    problem = serving_problem(model)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def block_starts(loss_mask: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -325,7 +347,6 @@ class SEED:
         runtime (inference.speculative) is not available or cannot run this model."""
         try:
             from inference import SamplingParams
-            from inference.lean import lean_unsupported_reason
             from inference.speculative import SpeculativeDecoder
         except ImportError as err:
             log.warning("SEED drafter eval skipped: inference.speculative is not available (%s)", err)

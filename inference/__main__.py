@@ -34,6 +34,10 @@ prompt is prefilled. With `--adapter` (an Attuner export, `+algo=attuner`) the a
 prompt and generated tokens only; the artifact cache is the base's. `--pic-mode` picks the
 comparison modes (full prefill, ape, epic, cacheblend, full_scores). A stderr line reports the
 artifacts, the relocation check and the time to first token.
+
+A request that cannot run (a model or --drafter dir that does not exist, has no config or no
+tokenizer; an empty --prompt; --max-new-tokens below 1) is refused before anything loads with one
+`error:` line on stderr naming the input, exit code 2.
 """
 from __future__ import annotations
 
@@ -84,8 +88,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def usage_problem(args: argparse.Namespace) -> str | None:
+    """The first flag or directory that makes the request impossible, as one line naming it; None if
+    none. Checked before anything is loaded."""
+    from models.model_dir import model_dir_problem
+
+    if not args.prompt:
+        return "--prompt is empty: give the text to complete"
+    if args.max_new_tokens < 1:
+        return f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"
+    for flag, path in (("model dir", args.model_dir), ("--drafter", args.drafter)):
+        problem = model_dir_problem(path) if path else None
+        if problem is not None:
+            return f"{flag}: {problem}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    problem = usage_problem(args)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     if args.drafter and args.speculative is None:
         args.speculative = "external"
     if args.speculative == "external" and not args.drafter:
@@ -156,20 +180,29 @@ def load_model(model_dir: str, adapter: str | None, device: str):
     an adapter dir (load_pretrained merges it into its base); `adapter` is applied on top and
     merged, so the lean decoder runs the result. The tokenizer is model_dir's."""
     from models.loading import load_pretrained
+    from models.model_dir import ModelDirError
     from models.quant_export import is_compressed
 
     if is_compressed(model_dir):  # a quantized export: the low-bit path (integer matmuls)
         if adapter:
-            raise SystemExit(f"error: --adapter cannot be applied to the quantized model in {model_dir}")
+            _usage_exit(f"--adapter cannot be applied to the quantized model in {model_dir}")
         from inference.quantized import load_quantized
 
         return load_quantized(model_dir, device)
-    model, tokenizer = load_pretrained(model_dir, saved_dtype(model_dir))
+    try:
+        model, tokenizer = load_pretrained(model_dir, saved_dtype(model_dir))
+    except ModelDirError as err:  # e.g. an adapter dir saved without its tokenizer
+        _usage_exit(str(err))
     if adapter:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     return model.to(device).eval(), tokenizer
+
+
+def _usage_exit(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(EXIT_USAGE)
 
 
 def attach_skipper(model, args) -> str | None:

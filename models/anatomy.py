@@ -8,16 +8,20 @@ Every trainer, algorithm and benchmark that needs a piece of the model asks here
     layers = decoder_layers(model)         # the repeated transformer blocks
     hidden = final_hidden(model, ids, mask)  # (B, T, H) final normed states, logits of 1 position only
     head = output_head(model)              # (weight (V, H), bias) or None when not a plain linear
+    logits = head_logits(hidden, head)     # hidden @ weight.T + bias, soft-capped when the head says so
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
-Head = tuple[Tensor, Optional[Tensor]]  # (weight (V, H), bias (V,) or None) of the output layer
+# The output layer as tensors: (weight (V, H), bias (V,) or None), or (weight, bias, cap) for a head
+# whose logits are soft-capped, cap * tanh(logits / cap) (Gemma-2's final_logit_softcapping; only
+# `output_head(model, softcap=True)` returns one). `head_logits` applies either kind.
+Head = Union[tuple[Tensor, Optional[Tensor]], tuple[Tensor, Optional[Tensor], float]]
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -51,20 +55,35 @@ def decoder_layers(model: nn.Module, user: str = "this") -> nn.ModuleList:
     return layers
 
 
-def output_head(model: nn.Module) -> Optional[Head]:
+def output_head(model: nn.Module, softcap: bool = False) -> Optional[Head]:
     """(weight (V, H), bias) of the output layer when it can be applied directly to final hidden
-    states; None when not (sharded FSDP2 / ZeRO-3 weights, logit soft-capping or scaling): then a
-    caller falls back to the model's own logits."""
+    states; None when not (sharded FSDP2 / ZeRO-3 weights, logit scaling, and logit soft-capping
+    unless `softcap`): then a caller falls back to the model's own logits. With `softcap=True` a
+    soft-capped head comes back as (weight, bias, cap), for callers that project through
+    `head_logits`."""
     inner = unwrap(model)
     head = inner.get_output_embeddings()
     config = getattr(inner, "config", None)
-    if not isinstance(head, nn.Linear) or getattr(config, "final_logit_softcapping", None) or \
-            getattr(config, "logit_scale", None):
+    cap = getattr(config, "final_logit_softcapping", None)
+    if not isinstance(head, nn.Linear) or (cap and not softcap) or getattr(config, "logit_scale", None):
         return None
     weight = head.weight
     if type(weight.data) is not torch.Tensor or weight.numel() == 0:  # DTensor shard or ZeRO-3 partition
         return None
-    return weight, head.bias
+    return (weight, head.bias, float(cap)) if cap else (weight, head.bias)
+
+
+def head_logits(hidden: Tensor, head: Head) -> Tensor:
+    """The logits of final hidden states (..., H) -> (..., V) through `head`, soft-capped as the
+    model's own forward does when the head carries a cap."""
+    logits = torch.nn.functional.linear(hidden, head[0], head[1])
+    cap = head[2] if len(head) > 2 else None
+    return cap * torch.tanh(logits / cap) if cap else logits
+
+
+def detach_head(head: Head) -> Head:
+    """`head` with its tensors detached (the cap, a float, unchanged)."""
+    return tuple(t.detach() if isinstance(t, Tensor) else t for t in head)  # type: ignore[return-value]
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
+from models.model_dir import ModelDirError, looks_like_hub_id, model_dir_problem
 from models.tokenizer import build_char_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -72,7 +73,13 @@ def load_pretrained(
     path: str, dtype: str = "float32", trust_remote_code: bool = False
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load model + tokenizer from a directory (or hub id). Adds a pad token if the tokenizer lacks one.
-    A PEFT adapter directory (adapter_config.json) loads its base model and merges the adapter in."""
+    A PEFT adapter directory (adapter_config.json) loads its base model and merges the adapter in.
+    A local directory that is missing, or lacks a config or a tokenizer, raises ModelDirError (one
+    line naming it) before any loader runs."""
+    if not looks_like_hub_id(path):
+        problem = model_dir_problem(path)
+        if problem is not None:
+            raise ModelDirError(problem)
     if os.path.exists(os.path.join(path, "adapter_config.json")):
         return _load_adapter(path, dtype, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

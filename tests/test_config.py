@@ -140,9 +140,31 @@ def test_model_path_takes_a_model_or_an_adapter_directory(tmp_path):
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "tokenizer.json").write_text("{}")  # exports save the tokenizer beside the adapter
     assert load_config(["+algo=sft", "model=hf", f"model.path={adapter}"], config_schemas()).model.path == str(adapter)
     with pytest.raises(ConfigError, match="no config.json or adapter_config.json there"):
         load_config(["+algo=sft", "model=hf", f"model.path={tmp_path}"], config_schemas())
+
+
+def test_model_path_without_a_tokenizer_is_a_config_error_naming_it(tmp_path):
+    """A model dir with config.json but no tokenizer file fails at config time with one line naming
+    model.path (the loaders would say to install sentencepiece / tiktoken)."""
+    from algorithms import config_schemas
+    from trainer.config import ConfigError, load_config
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=rf"^model.path={model}: {model} has no tokenizer \(none of tokenizer.json") as err:
+        load_config(["+algo=sft", "model=hf", f"model.path={model}"], config_schemas())
+    assert "\n" not in str(err.value)
+    for adapter in (False, True):  # an adapter dir is read the same way: its tokenizer is loaded from it
+        (model / "config.json").unlink(missing_ok=True)
+        (model / ("adapter_config.json" if adapter else "config.json")).write_text("{}")
+        with pytest.raises(ConfigError, match="has no tokenizer"):
+            load_config(["+algo=sft", "model=hf", f"model.path={model}"], config_schemas())
+    (model / "tokenizer_config.json").write_text("{}")
+    assert load_config(["+algo=sft", "model=hf", f"model.path={model}"], config_schemas()).model.path == str(model)
 
 
 # --- the warm-start task -------------------------------------------------------------------------

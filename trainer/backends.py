@@ -231,6 +231,7 @@ class DeepSpeedBackend:
     loading (it would need DeepSpeed's loss scaling)."""
 
     TAG = "deepspeed"
+    fixed_micro_steps = True  # the accumulation boundary is a count of backwards: the loop skips none
 
     def __init__(self, model: nn.Module, tcfg: Any, world: World, zero_stage: int, micro_steps: int):
         import deepspeed

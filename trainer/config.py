@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from models.model_dir import tokenizer_problem  # the standard library only, like this module
 from trainer.activations.options import ActivationConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -400,6 +401,9 @@ def _validate_model_path(model: ModelConfig) -> None:
         if not any(os.path.exists(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
             raise ConfigError(f"model.path={model.path}: no config.json or adapter_config.json there (not a Hugging "
                               "Face model or PEFT adapter directory)")
+        problem = tokenizer_problem(path)  # train.py loads the tokenizer from the same directory
+        if problem is not None:
+            raise ConfigError(f"model.path={model.path}: {problem}")
         return
     looks_like_hub_id = model.path.count("/") == 1 and not model.path.startswith((".", "/", "~"))
     if not looks_like_hub_id:

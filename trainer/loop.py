@@ -2,6 +2,7 @@
 
     prompts -> algo.make_batch(prompts, ctx)   [no grad: rollouts, teacher passes, rewards]
             -> per micro-batch: algo.loss(model, micro, normaliser) -> backward
+               (skipped where the algorithm knows the loss is exactly zero on every rank)
             -> optimizer step -> metrics -> (eval, checkpoint)
 
 `fit` reads top to bottom; the pieces it uses are built by trainer/setup.py.
@@ -135,12 +136,17 @@ def train_step(s: Session, batch: Batch) -> dict:
         micros += [zero_weight(micros[0])] * (int(world.all_reduce_max(torch.tensor(real)).item()) - real)
     global_targets = world.all_reduce_sum(batch.num_targets().double())  # scalar, or (G,) per loss group
     normaliser = (global_targets / world.size).clamp(min=1).float()  # backends average grads over ranks
+    skip = skipped_micro_batches(s, micros)
+    run = [i for i, skipped in enumerate(skip) if not skipped]
+    logged = sum(1 for i in run if i < real)  # loss metrics are means over the micro-batches that ran
     loss_sum, metric_sums, gaps = torch.zeros(()), {}, []
-    for i, micro in enumerate(micros):
+    for i in run:
+        micro = micros[i]
         if s.activations is not None:  # the policy-update exposure of these tokens, known before backward
             s.activations.set_exposure(s.caps.exposure(micro) if s.caps.exposure is not None else None)
-        # no KV cache in training forwards: activation recompute would append the same keys twice
-        with backend.accumulate(last=i == len(micros) - 1), autocast(s), \
+        # no KV cache in training forwards: activation recompute would append the same keys twice.
+        # The gradient sync rides on the last micro-batch that runs (skipped ones add exactly zero).
+        with backend.accumulate(last=i == run[-1]), autocast(s), \
                 no_kv_cache(backend.train_model):
             out = s.algo.loss(backend.train_model, micro, normaliser)
         _check_finite(s, out.loss, i, micro)
@@ -149,11 +155,13 @@ def train_step(s: Session, batch: Batch) -> dict:
             continue
         loss_sum += out.loss.detach().float().cpu()
         for k, v in out.metrics.items():
-            metric_sums[k] = metric_sums.get(k, 0.0) + v.detach().float().cpu() / real
+            metric_sums[k] = metric_sums.get(k, 0.0) + v.detach().float().cpu() / logged
         if micro.rollout_logprobs is not None and out.token_logprobs is not None:
             gaps.append(logprob_gap(out.token_logprobs, micro.rollout_logprobs, micro.loss_mask).cpu())
     grad_norm = backend.step(s.cfg.trainer.max_grad_norm)
     metric_sums.update({k: v.detach().float().cpu() for k, v in batch.metrics.items()})
+    if s.caps.zero_loss is not None and _may_skip(backend):
+        metric_sums[f"{s.algo.name}/skipped_micro_batches"] = torch.tensor(float(sum(skip)))
     if s.activations is not None:
         metric_sums.update({k: v.detach().float().cpu() for k, v in s.activations.metrics().items()})
     if gaps:  # the rollout-vs-trainer log-prob gap: must stay ~0 for on-policy algorithms
@@ -162,6 +170,29 @@ def train_step(s: Session, batch: Batch) -> dict:
     reduced = _mean_over_ranks(world, {"loss": loss_sum, "tokens": local_tokens, **metric_sums})
     tokens = round(reduced.pop("tokens") * world.size)
     return {"step": s.step, "split": "train", **reduced, "grad_norm": grad_norm, "lr": backend.lr, "tokens": tokens}
+
+
+def skipped_micro_batches(s: Session, micros: list[Batch]) -> list[bool]:
+    """Which micro-batches (by index) this step skips: those whose loss the algorithm knows is exactly
+    zero with a zero gradient (`KnowsZeroLoss`) on EVERY rank, so all ranks run the same forwards,
+    backwards and collectives. Nothing is skipped when the algorithm cannot tell, or under a backend
+    that counts a fixed number of backwards per step (DeepSpeed). When every micro-batch could be
+    skipped, the first still runs: a step with no backward would leave the gradients unset, and the
+    optimizer would then skip what a zero gradient still does (weight decay, Adam's moments)."""
+    zero = s.caps.zero_loss
+    if zero is None or not _may_skip(s.backend):
+        return [False] * len(micros)
+    local = torch.tensor([int(bool(zero(m))) for m in micros])
+    skip = [bool(x) for x in (-s.world.all_reduce_max(-local)).tolist()]  # a minimum: skippable on every rank
+    if all(skip):
+        skip[0] = False
+    return skip
+
+
+def _may_skip(backend: Backend) -> bool:
+    """DeepSpeed counts backwards to its accumulation boundary (gradient_accumulation_steps): every
+    micro-batch must run there."""
+    return not getattr(backend, "fixed_micro_steps", False)
 
 
 def zero_weight(micro: Batch) -> Batch:

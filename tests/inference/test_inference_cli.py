@@ -49,6 +49,50 @@ def test_cli_rejects_a_dir_that_is_not_an_adapter(tmp_path, capsys):
     assert "adapter_config.json" in capsys.readouterr().err
 
 
+@pytest.fixture(scope="module")
+def no_tokenizer_dir(tmp_path_factory, make_model) -> Path:
+    path = tmp_path_factory.mktemp("no_tokenizer")
+    make_model("qwen3").save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("case", ["missing dir", "no tokenizer", "empty prompt", "zero new tokens", "missing drafter"])
+def test_cli_bad_requests_are_one_usage_line_naming_the_input(tmp_path, capsys, model_dir, no_tokenizer_dir, case):
+    from inference.__main__ import EXIT_USAGE, main
+
+    missing = str(tmp_path / "no" / "such" / "model")
+    args, named = {
+        "missing dir": ([missing, "--prompt", "1+1="], f"model dir: {missing} does not exist"),
+        "no tokenizer": ([str(no_tokenizer_dir), "--prompt", "1+1="], f"model dir: {no_tokenizer_dir} has no tokenizer"),
+        "empty prompt": ([str(model_dir), "--prompt", ""], "--prompt is empty"),
+        "zero new tokens": ([str(model_dir), "--prompt", "1+1=", "--max-new-tokens", "0"],
+                            "--max-new-tokens must be >= 1, got 0"),
+        "missing drafter": ([str(model_dir), "--prompt", "1+1=", "--drafter", missing],
+                            f"--drafter: {missing} does not exist"),
+    }[case]
+    assert main(args) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {named}") and err.count("\n") == 1, err
+
+
+def test_loading_a_dir_without_a_tokenizer_names_it(no_tokenizer_dir, tmp_path):
+    """models.loading refuses before any loader runs (the CLI turns this into its usage line)."""
+    from models.loading import load_pretrained
+    from models.model_dir import ModelDirError
+
+    with pytest.raises(ModelDirError, match=f"^{no_tokenizer_dir} has no tokenizer"):
+        load_pretrained(str(no_tokenizer_dir))
+    with pytest.raises(ModelDirError, match=f"^{tmp_path / 'gone'} does not exist$"):
+        load_pretrained(str(tmp_path / "gone"))
+
+
+@pytest.mark.slow  # python -m inference subprocess: ~4 s
+def test_cli_missing_dir_is_one_line_and_exit_2(tmp_path):
+    missing = str(tmp_path / "nothing" / "here")
+    result = run_cli(missing, "--prompt", "1+1=")
+    assert result.returncode == 2 and result.stderr == f"error: model dir: {missing} does not exist\n", result.stderr
+
+
 # ----------------------------------------------------------------------------- LoRA adapters
 
 
