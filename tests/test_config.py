@@ -241,7 +241,7 @@ def hf_dir(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("hf")
     tok = build_char_tokenizer()
-    random_qwen3(len(tok), hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64).save_pretrained(path)
+    random_qwen3(len(tok), hidden_size=32, num_layers=4, num_heads=2, intermediate_size=64).save_pretrained(path)  # seed: a drafter in the top 2 of 4
     tok.save_pretrained(path)
     return str(path)
 
