@@ -1,4 +1,5 @@
-"""Held-out accuracy of a model: `python evaluate.py model.path=DIR data=NAME [trainer.eval_examples=N]`.
+"""Held-out accuracy of a model: `python evaluate.py model.path=DIR data=NAME [trainer.eval_examples=N]`, or
+with a recipe's data and eval settings: `python evaluate.py +recipe=NAME model.path=DIR data.path=... data.test_path=...`.
 
 Prints one JSON line with `accuracy`, `step_accuracy` and `n`. A quantized export (compressed-tensors,
 e.g. a `+algo=qad` run's final/) is evaluated as served: on the runtime's low-bit path. An export
@@ -18,7 +19,10 @@ def main(argv: list[str]) -> int:
     from algorithms import config_schemas
 
     # Evaluation needs no algorithm; reuse the schema with the sft defaults so keys validate the same way.
-    overrides = [a for a in argv if not a.lstrip("+").startswith("algo=")] + ["+algo=sft"]
+    # A recipe (+recipe=NAME: its data fields, length limits, dtype and eval sizes) brings its own algorithm.
+    overrides = [a for a in argv if not a.lstrip("+").startswith("algo=")]
+    if not any(a.lstrip("+").startswith("recipe=") for a in overrides):
+        overrides.append("+algo=sft")
     try:
         cfg = load_config(overrides, config_schemas())
     except ConfigError as err:

@@ -577,8 +577,10 @@ def sparse_prefill(x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
             q_query, _, _ = attention_inputs(x, wq, dims, *cos_sin)
             q = torch.where(adapted[:, :, None, None], q_query, q)
         kv = cache.kv[layer]  # (2, B, H_kv, T_max, D)
-        kv[KEY, batch_rows, :, slots] = k  # advanced indexing: (B, R, H_kv, D)
-        kv[VALUE, batch_rows, :, slots] = v
+        # advanced indexing: (B, R, H_kv, D); unlike a slice assignment it does not cast, and under autocast
+        # k and v come out in the compute dtype while the cache holds the weights' dtype
+        kv[KEY, batch_rows, :, slots] = k.to(kv.dtype)
+        kv[VALUE, batch_rows, :, slots] = v.to(kv.dtype)
         keys, values = cache.read(layer, S)  # (B, H_kv, S, D) each
         x = attention_output_and_mlp(x, _attend(q, keys, values, mask, dims), wb, dims)  # (B, R, C)
     return x

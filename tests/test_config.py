@@ -29,6 +29,8 @@ BAD_INPUTS = [
     (["+algo=skipper", "algo.target_skip=1.0"], "algo.target_skip=1.0 must be in [0, 1)"),
     (["+algo=skipper", "algo.target_skip=-0.1"], "algo.target_skip=-0.1 must be in [0, 1)"),
     (["+algo=skipper", "algo.gate=nope"], "algo.gate=nope is not one of soft, hard"),
+    (["+recipe=opsd_qwen3_1.7b", "+algo=mass"], "+algo=mass conflicts with +recipe=opsd_qwen3_1.7b, which trains algo opsd"),
+    (["+recipe=nope"], "unknown recipe 'nope' (available: "),
 ]
 
 

@@ -2,7 +2,9 @@
 dataclass with its default, the other groups' full-listing files likewise, and composing the YAML
 tree changes no default except the deliberate overrides listed (with their reasons) below.
 
-The kinds of file (full listing vs option) are described in docs/README.md."""
+The kinds of file (full listing vs option) are described in docs/README.md. Recipes (configs/recipe/*.yaml)
+are a third kind: the values of a paper's setup on top of an algorithm, each value with a comment saying whose
+it is; their keys are checked by composing them through the typed schema (tests/test_recipes.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -181,3 +183,18 @@ def test_group_files_set_known_keys_to_defaults_or_listed_overrides(group, optio
 def test_data_files_cover_every_field():
     listed = set().union(*(yaml_keys(p) for p in (CONFIGS / "data").glob("*.yaml")))
     assert listed == set(field_defaults(DataConfig))
+
+
+RECIPE_FILES = sorted((CONFIGS / "recipe").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RECIPE_FILES, ids=[p.stem for p in RECIPE_FILES])
+def test_recipe_files_comment_every_value(path):
+    bare = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        code = line.split("#", 1)[0]
+        if line.lstrip().startswith("- ") or ":" not in code:
+            continue  # the defaults list, comments, blank lines
+        if code.split(":", 1)[1].strip() and "#" not in line:  # a value (not a section header) without a comment
+            bare.append(f"line {n}: {line.strip()}")
+    assert not bare, f"configs/recipe/{path.name}: values without a comment saying whose they are: {bare}"

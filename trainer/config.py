@@ -209,15 +209,62 @@ def _available_algos() -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / "algo").glob("*.yaml"))
 
 
+def available_recipes() -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml"))
+
+
+def recipe_algo(name: str) -> str:
+    """The algorithm configs/recipe/NAME.yaml selects: the `/algo: NAME` entry of its defaults list."""
+    from omegaconf import OmegaConf
+
+    path = CONFIG_DIR / "recipe" / f"{name}.yaml"
+    for entry in OmegaConf.to_container(OmegaConf.load(path)).get("defaults", []):
+        if isinstance(entry, dict) and list(entry) in (["/algo"], ["algo"]):
+            return entry[next(iter(entry))]
+    raise ConfigError(f"configs/recipe/{name}.yaml selects no algorithm (its defaults list needs '- /algo: NAME')")
+
+
+def _override_key(arg: str) -> str:
+    return arg.lstrip("+~").split("=")[0]
+
+
+def _apply_recipe(overrides: list[str]) -> tuple[list[str], Optional[str]]:
+    """A `+recipe=NAME` selects its algorithm itself (the `/algo` entry of its defaults list): returns the
+    overrides without a `+algo=` that repeats it, and the recipe's algorithm (None without a recipe). A
+    `+algo=` naming a different algorithm, an unknown recipe or a second recipe is a ConfigError."""
+    recipe_args = [o for o in overrides if _override_key(o) == "recipe"]
+    if not recipe_args:
+        return overrides, None
+    if len(recipe_args) > 1:
+        raise ConfigError(f"one recipe per run: got {' and '.join(recipe_args)}")
+    arg = recipe_args[0]
+    if not arg.startswith("+recipe=") or arg.startswith("++"):
+        raise ConfigError(f"{arg}: select a recipe with +recipe=NAME (available: {', '.join(available_recipes())})")
+    recipe = arg.split("=", 1)[1]
+    if recipe not in available_recipes():
+        raise ConfigError(f"unknown recipe '{recipe}' (available: {', '.join(available_recipes())})")
+    algo = recipe_algo(recipe)
+    algo_args = [o for o in overrides if _override_key(o) == "algo"]
+    for a in algo_args:
+        if a.partition("=")[2] != algo:
+            raise ConfigError(f"{a} conflicts with +recipe={recipe}, which trains algo {algo}: drop {a} (a recipe "
+                              f"selects its algorithm), or drop the recipe")
+    return [o for o in overrides if o not in algo_args], algo
+
+
 def load_config(overrides: list[str], algo_schemas: dict[str, type]) -> TrainConfig:
-    """Compose + validate. Raises ConfigError (one line) on any bad input."""
+    """Compose + validate. Raises ConfigError (one line) on any bad input. `+recipe=NAME`
+    (configs/recipe/NAME.yaml) implies its algorithm, so it needs no `+algo=`."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    algo_args = [o for o in overrides if o.lstrip("+~").split("=")[0] == "algo"]
-    if not algo_args:
-        raise ConfigError(f"no algorithm selected: add +algo=NAME (available: {', '.join(_available_algos())})")
-    name = algo_args[-1].split("=", 1)[1]
+    overrides, name = _apply_recipe(list(overrides))
+    if name is None:
+        algo_args = [o for o in overrides if _override_key(o) == "algo"]
+        if not algo_args:
+            raise ConfigError(f"no algorithm selected: add +algo=NAME (available: {', '.join(_available_algos())}) "
+                              f"or +recipe=NAME (available: {', '.join(available_recipes())})")
+        name = algo_args[-1].split("=", 1)[1]
     if name not in algo_schemas or name not in _available_algos():
         raise ConfigError(f"unknown algorithm '{name}' (available: {', '.join(sorted(algo_schemas))})")
     try:
