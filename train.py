@@ -24,6 +24,7 @@ def main(argv: list[str]) -> int:
 
 
 def run(cfg) -> int:
+    from models.anatomy import UnsupportedModel
     from models.prompts import ChatTemplateError
     from tasks import DataError
     from trainer.distributed import init_world, launched_world_size, shutdown
@@ -51,7 +52,7 @@ def run(cfg) -> int:
     except DataError as err:
         print(f"data error: {err}", file=sys.stderr)
         code = EXIT_DATA
-    except ChatTemplateError as err:  # data.chat_template=true with a tokenizer found to lack one
+    except (ChatTemplateError, UnsupportedModel) as err:  # found once the tokenizer / model is loaded
         print(f"config error: {err}", file=sys.stderr)
         code = EXIT_CONFIG
     except NonFiniteLossError as err:

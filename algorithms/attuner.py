@@ -60,7 +60,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -70,7 +70,8 @@ from algorithms.base import Batch, RolloutContext, SegmentTerms, StepOutput, Tea
 from algorithms.pic_forward import QUERY, SegmentIds, encode_context, segment_ids, split_rows, student_hidden
 from algorithms.rollouts import completion_mask, encode
 from algorithms.scoring import detached_head, predicting
-from models.anatomy import causal_lm, final_hidden, output_head, unwrap
+from inference.pic import pic_unsupported_reason
+from models.anatomy import UnsupportedModel, causal_lm, final_hidden, output_head, unwrap
 from models.query_adapter import (
     QUERY_PROJECTIONS, adapter_disabled, apply_query_lora, check_query_only, shape_fingerprint, trainable_fraction,
 )
@@ -115,6 +116,21 @@ class AttunerConfig:
         if self.teacher_batch_size <= 0:
             raise ValueError(f"algo.teacher_batch_size={self.teacher_batch_size} must be > 0")
 
+    def check_run(self, max_steps: int, skeleton: Optional[Callable[[], nn.Module]]) -> None:
+        """At config validation, on the meta-device skeleton (None: not known before loading, then
+        prepare_model checks): the model must be one the position-independent cache serves."""
+        if skeleton is not None:
+            check_servable(skeleton())
+
+
+def check_servable(model: nn.Module) -> None:
+    """ValueError naming the architecture when the position-independent cache, which an Attuner adapter
+    is trained for and served over, cannot serve `model` (the runtime's own predicate)."""
+    lm = causal_lm(model)
+    reason = pic_unsupported_reason(lm)
+    if reason is not None:
+        raise UnsupportedModel(f"algo=attuner cannot train query adapters for {type(lm).__name__}: {reason}")
+
 
 class Attuner:
     name = "attuner"
@@ -126,6 +142,7 @@ class Attuner:
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """q_proj LoRA (init from `seed`); everything else frozen."""
+        check_servable(model)
         model.requires_grad_(False)
         return apply_query_lora(model, self.cfg.lora_rank, self.cfg.lora_alpha, self.cfg.lora_dropout,
                                 seed=self.cfg.seed)

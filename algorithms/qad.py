@@ -50,7 +50,8 @@ from algorithms import losses
 from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms, Traits, pad_right
 from algorithms.rollouts import completion_mask, encode, encode_prompt
 from algorithms.scoring import detached_head, predicting, student_features
-from models.anatomy import capture_final_hidden, causal_lm, decoder_layers
+from models.anatomy import UnsupportedModel, capture_final_hidden, causal_lm, decoder_layers
+from models.quant_export import export_problem
 
 SCHEDULES = ("theseus", "theseus_qat", "qad", "qat", "ptq")
 SEGMENT_INPUTS = ("teacher", "student")
@@ -122,6 +123,7 @@ class QADConfig:
         if skeleton is None:
             return
         model = skeleton()
+        check_exportable(model)
         try:
             quant_targets(model, self.scheme, self.keep)
         except ValueError as err:
@@ -264,6 +266,14 @@ def hidden_error(student: torch.Tensor, teacher: torch.Tensor, kind: str) -> tor
 # --- the algorithm -------------------------------------------------------------------------------------
 
 
+
+def check_exportable(model: nn.Module) -> None:
+    """ValueError naming the architecture when the runtime's low-bit path could not serve the export."""
+    problem = export_problem(model)
+    if problem is not None:
+        raise UnsupportedModel(f"algo=qad: {problem}")
+
+
 class QAD:
     name = "qad"
 
@@ -281,6 +291,7 @@ class QAD:
         The decoder blocks train; embeddings, final norm and head stay frozen at the teacher's."""
         from models.quant import apply_fake_quant
 
+        check_exportable(model)
         self.teacher = copy.deepcopy(causal_lm(model)).requires_grad_(False).eval()
         apply_fake_quant(model, self.cfg.scheme, self.cfg.keep)
         model.requires_grad_(False)

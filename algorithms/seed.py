@@ -58,7 +58,7 @@ from algorithms.scoring import detached_head, teacher_hidden
 from algorithms.teacher import SelfTeacher
 from inference.artifacts import DRAFTER_DEFAULTS as DRAFTER, SEED_DRAFTER_FILE, DrafterSpec, write_drafter_spec
 from inference.lean import lean_unsupported_reason
-from models.anatomy import causal_lm, decoder_layers as decoder_layers_of, final_hidden, output_head
+from models.anatomy import UnsupportedModel, causal_lm, decoder_layers as decoder_layers_of, final_hidden, output_head
 from models.export import export_model
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ def check_split(model: nn.Module, decoder_layers: int) -> None:
         raise ValueError(f"algo.decoder_layers={decoder_layers} must be >= 1 and < the model's {n} layers")
     problem = serving_problem(model)
     if problem is not None:
-        raise ValueError(problem)
+        raise UnsupportedModel(problem)
 
 
 def block_starts(loss_mask: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -61,8 +61,8 @@ from algorithms.rollouts import completion_mask, encode, encode_prompt
 from algorithms.scoring import detached_head, predicting, student_features
 from models.anatomy import causal_lm, decoder_layers, final_hidden
 from models.skipper import (
-    GATES, SKIPPER_DIR, apply_skipper, base_state_dict, check_layers, decisions, forced, make_spec, record_gates,
-    save_skipper, skipper_parameters, skipper_state,
+    GATES, SKIPPER_DIR, apply_skipper, base_state_dict, check_layers, check_supported, decisions, forced, make_spec,
+    record_gates, save_skipper, skipper_parameters, skipper_state,
 )
 
 LOSSES = ("kl", "lm")
@@ -107,7 +107,9 @@ class SkipperConfig:
         before loading, then prepare_model checks them)."""
         if skeleton is None:
             return
-        routed_for(self.layers, len(decoder_layers(skeleton(), user="skipper")))
+        model = skeleton()
+        routed_for(self.layers, len(decoder_layers(model, user="skipper")))
+        check_supported(model)
 
 
 def routed_for(layers: Sequence[int], num_layers: int) -> Optional[tuple[int, ...]]:
@@ -153,6 +155,7 @@ class Skipper:
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Routers + adapters on the routed layers (init from `seed`); everything else frozen."""
         lm = causal_lm(model)
+        check_supported(lm)
         layers = routed_for(self.cfg.layers, lm.config.num_hidden_layers)
         state = apply_skipper(model, make_spec(lm.config, layers, self.cfg.gate), seed=self.cfg.seed)
         state.decision_grad = self.cfg.decision_grad

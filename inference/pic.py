@@ -209,9 +209,11 @@ def query_weights(base: Weights, deltas: Mapping[int, Tensor], dims) -> Weights:
     return dataclasses.replace(base, layers=layers)
 
 
-def _lean_model(model: nn.Module) -> None:
+def pic_unsupported_reason(model: nn.Module) -> str | None:
+    """Why the position-independent cache cannot serve `model` (its base, without adapters), or None.
+    Algorithms that train for this cache (attuner) ask it at setup, before any work."""
     if getattr(model, "skipper_state", None) is not None:
-        raise PICError("the position-independent cache does not serve a layer-skipper model")
+        return "the position-independent cache does not serve a layer-skipper model"
     # The PEFT check of lean_unsupported_reason is left out: `plain_view` already swapped every LoRA
     # layer for its base (PEFT leaves a `peft_config` attribute on the model it wraps).
     from inference.lean import LEAN_ARCHITECTURES, _config_reason, _module_reason
@@ -220,7 +222,14 @@ def _lean_model(model: nn.Module) -> None:
     reason = (f"architecture {name} is not one of {sorted(LEAN_ARCHITECTURES)}" if name not in LEAN_ARCHITECTURES
               else _config_reason(model) or _module_reason(model))
     if reason is not None:
-        raise PICError(f"the position-independent cache runs on the lean decoder, which cannot run this model: {reason}")
+        return f"the position-independent cache runs on the lean decoder, which cannot run this model: {reason}"
+    return None
+
+
+def _lean_model(model: nn.Module) -> None:
+    reason = pic_unsupported_reason(model)
+    if reason is not None:
+        raise PICError(reason)
 
 
 # ----------------------------------------------------------------------------- the artifact cache

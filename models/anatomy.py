@@ -24,6 +24,12 @@ from torch import Tensor, nn
 Head = Union[tuple[Tensor, Optional[Tensor]], tuple[Tensor, Optional[Tensor], float]]
 
 
+class UnsupportedModel(ValueError):
+    """An algorithm cannot train (or the runtime cannot serve what it would export for) this model; the
+    message names the architecture and why. Raised at config validation or setup, before any work;
+    train.py reports it as a one-line config error."""
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The module inside DDP / DeepSpeed wrappers (their `.module`)."""
     while isinstance(getattr(model, "module", None), nn.Module):

@@ -52,6 +52,28 @@ class CompressedCheckpoint:
     ignore: list[str] = field(default_factory=list)
 
 
+# --- what the low-bit path serves ------------------------------------------------------------------
+
+# Architectures whose checkpoint names differ from their module names in a way the low-bit loader
+# (`inference.quantized.load_quantized`, which reads tensors by module name) does not follow; measured by
+# benchmarks/support_matrix.py: the export is written, then does not load.
+RENAMED_CHECKPOINTS = {"GPTNeoXForCausalLM": "its checkpoint names the output head embed_out, not lm_head"}
+
+
+def export_problem(model: nn.Module) -> Optional[str]:
+    """Why a low-bit export of `model` could not be served by the runtime's low-bit path, or None:
+    mixture-of-experts models (their experts are fused 3-D tensors, not linears to quantize, and the
+    checkpoint splits them per expert) and the architectures of RENAMED_CHECKPOINTS."""
+    lm = causal_lm(model)
+    name = type(lm).__name__
+    experts = [type(m).__name__ for m in lm.modules() if type(m).__name__.endswith("Experts")]
+    if experts or getattr(lm.config, "num_local_experts", 0) or getattr(lm.config, "num_experts", 0):
+        return f"{name} is a mixture-of-experts model ({experts[0] if experts else 'experts'}), which the low-bit path does not serve"
+    if name in RENAMED_CHECKPOINTS:
+        return f"{name}: {RENAMED_CHECKPOINTS[name]}, which the low-bit loader does not follow"
+    return None
+
+
 # --- export -------------------------------------------------------------------------------------------
 
 

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.anatomy import causal_lm, decoder_layers
+from models.anatomy import UnsupportedModel, causal_lm, decoder_layers
 from models.layer_wrap import LayerWrap, wrap_layers
 
 GATES = ("soft", "hard")
@@ -94,6 +94,32 @@ class SkipperSpec:
             want = getattr(self, name)
             if want != have:
                 raise SkipperError(f"{where} was trained for a model with {name}={want}; this model has {have}")
+
+
+LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")  # what a routed layer runs
+
+
+def skipper_unsupported_reason(model: nn.Module) -> str | None:
+    """Why a skipper cannot route `model`'s decoder layers, or None. A routed layer runs the pre-norm
+    block `x + attn(input_layernorm(x))`, then `mlp(post_attention_layernorm(.))` (Llama, Qwen, Mistral,
+    Gemma, Phi-3 layout), and the router's RMSNorm takes the config's `rms_norm_eps`."""
+    lm = causal_lm(model)
+    name = type(lm).__name__
+    if getattr(lm.config, "rms_norm_eps", None) is None:
+        return f"{name} has no rms_norm_eps in its config (the router's RMSNorm takes it)"
+    for i, layer in enumerate(decoder_layers(lm, user="skipper")):
+        missing = [part for part in LAYER_PARTS if not hasattr(layer, part)]
+        if missing:
+            return (f"{name}'s decoder layer {i} ({type(layer).__name__}) has no {', '.join(missing)}: a routed "
+                    f"layer runs the pre-norm block input_layernorm -> self_attn, post_attention_layernorm -> mlp")
+    return None
+
+
+def check_supported(model: nn.Module) -> None:
+    """ValueError naming the architecture when `skipper_unsupported_reason` has a reason."""
+    reason = skipper_unsupported_reason(model)
+    if reason is not None:
+        raise UnsupportedModel(f"algo=skipper cannot route this model: {reason}")
 
 
 def default_layers(num_layers: int) -> tuple[int, ...]:
