@@ -70,7 +70,6 @@ from algorithms.base import Batch, RolloutContext, SegmentTerms, StepOutput, Tea
 from algorithms.pic_forward import QUERY, SegmentIds, encode_context, segment_ids, split_rows, student_hidden
 from algorithms.rollouts import completion_mask, encode
 from algorithms.scoring import detached_head, predicting
-from inference.pic import pic_unsupported_reason
 from models.anatomy import UnsupportedModel, causal_lm, final_hidden, output_head, unwrap
 from models.query_adapter import (
     QUERY_PROJECTIONS, adapter_disabled, apply_query_lora, check_query_only, shape_fingerprint, trainable_fraction,
@@ -126,6 +125,8 @@ class AttunerConfig:
 def check_servable(model: nn.Module) -> None:
     """ValueError naming the architecture when the position-independent cache, which an Attuner adapter
     is trained for and served over, cannot serve `model` (the runtime's own predicate)."""
+    from inference.pic import pic_unsupported_reason  # the runtime loads transformers: not at config import
+
     lm = causal_lm(model)
     reason = pic_unsupported_reason(lm)
     if reason is not None:
