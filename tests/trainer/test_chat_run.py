@@ -56,3 +56,27 @@ def test_a_run_renders_every_prompt_through_the_template(tmp_path, chat_model_di
     assert fit(session) == "done"
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any(r["split"] == "train" and r["step"] == 1 for r in records)
+
+
+@pytest.mark.slow  # torchrun with 2 ranks: ~25 s
+def test_two_ranks_with_a_chat_template_and_truncated_prompts(tmp_path, chat_model_dir, subprocess_env):
+    """The chat wrapper and the length fitting under torchrun: GRPO's padded rollout batches on 2 ranks, every
+    prompt over data.max_prompt_tokens and shortened by truncate_left (the same on both ranks)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
+           "+algo=grpo", *HF, f"model.path={chat_model_dir}", "data.chat_template=true", "data.max_prompt_tokens=40",
+           "data.length_policy=truncate_left", "algo.num_generations=2", "trainer.max_steps=2", "trainer.batch_size=4",
+           "trainer.micro_batch_size=2", "trainer.max_new_tokens=8", "trainer.eval_max_new_tokens=8",
+           "trainer.eval_examples=4", "trainer.save_every=1000", "trainer.eval_every=1000",
+           "logging.wandb=false", "logging.progress=false", f"output_dir={out}"]
+    proc = subprocess.run(cmd, env=subprocess_env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "shortened the question of" in proc.stderr and "chat template" in proc.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "train"] == [1, 2]
+    assert (out / "final" / "config.json").exists()
