@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-EXIT_CONFIG, EXIT_DATA, EXIT_NONFINITE, EXIT_WARM_START = 2, 3, 4, 5
+EXIT_CONFIG, EXIT_DATA, EXIT_NONFINITE, EXIT_WARM_START, EXIT_CHECKPOINT, EXIT_MEMORY = 2, 3, 4, 5, 6, 7
 
 
 def main(argv: list[str]) -> int:
@@ -25,10 +25,13 @@ def main(argv: list[str]) -> int:
 
 def run(cfg) -> int:
     from models.anatomy import UnsupportedModel
+    from models.model_dir import ModelDirError
     from models.prompts import ChatTemplateError
     from tasks import DataError
+    from trainer.checkpoint import CheckpointError
     from trainer.distributed import init_world, launched_world_size, shutdown
     from trainer.loop import NonFiniteLossError, fit
+    from trainer.memory import MemoryCheckError
     from trainer.setup import build_session, export_final
     from trainer.warm_start import WarmStartError, ensure
 
@@ -52,7 +55,7 @@ def run(cfg) -> int:
     except DataError as err:
         print(f"data error: {err}", file=sys.stderr)
         code = EXIT_DATA
-    except (ChatTemplateError, UnsupportedModel) as err:  # found once the tokenizer / model is loaded
+    except (ChatTemplateError, UnsupportedModel, ModelDirError) as err:  # found once the tokenizer / model is loaded
         print(f"config error: {err}", file=sys.stderr)
         code = EXIT_CONFIG
     except NonFiniteLossError as err:
@@ -61,6 +64,12 @@ def run(cfg) -> int:
     except WarmStartError as err:
         print(f"error: {err}", file=sys.stderr)
         code = EXIT_WARM_START
+    except CheckpointError as err:  # a damaged, tampered or unreadable checkpoint: nothing of it was applied
+        print(f"checkpoint error: {err}", file=sys.stderr)
+        code = EXIT_CHECKPOINT
+    except MemoryCheckError as err:  # the pre-flight memory check (trainer/memory.py): before the first step
+        print(f"error: {err}", file=sys.stderr)
+        code = EXIT_MEMORY
     if world.distributed:
         shutdown(world, code)  # does not return: see shutdown() for why
     return code

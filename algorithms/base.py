@@ -2,7 +2,7 @@
 
 An algorithm never touches process groups, optimizers or files. The contract is `Algorithm` below;
 optional capabilities (`ChecksTask`, `GroupedRollouts`, `SharesPrompts`, `ExposesTokens`,
-`EvaluatesDrafter`, `ServesEval`, `Scheduled`, `KnowsZeroLoss`) are typed protocols resolved once at setup into `Capabilities`, and the config
+`EvaluatesDrafter`, `ServesEval`, `Scheduled`, `KnowsZeroLoss`, `ShapesRows`) are typed protocols resolved once at setup into `Capabilities`, and the config
 declares `Traits`. The trainer (trainer/loop.py) calls, per step,
 
     batch = algo.make_batch(examples, ctx)       # no grad: rollouts, teacher passes, rewards
@@ -256,6 +256,24 @@ class Scheduled(Protocol):
         """Lay out a schedule over the run's budget (called once at setup, after prepare_model)."""
 
 
+@dataclass(frozen=True)
+class RowShape:
+    """What one example's training rows are made of, for the pre-flight memory check (trainer/memory.py),
+    which bounds the longest row the actor update will see before the first step."""
+
+    # how a row ends: "reference" (the example's reference solution + EOS), "sampled" (a completion of at
+    # most trainer.max_new_tokens) or "either" (the longer of the two counts)
+    completion: str = "either"
+    teacher_prompt: bool = False  # some rows start with the teacher prompt carrying the reference
+
+
+@runtime_checkable
+class ShapesRows(Protocol):
+    def row_shape(self) -> RowShape:
+        """The rows this algorithm trains on. Without it the memory check assumes the longest possible:
+        either completion, and the teacher prompt when the config's traits say `needs_reference`."""
+
+
 @runtime_checkable
 class ChecksRun(Protocol):
     """An algorithm config whose values are checked against the budget and the model's layout."""
@@ -278,6 +296,7 @@ class Capabilities:
     plan: Optional[Callable[[int], Any]] = None
     eval_completions: Optional[Callable[..., list]] = None
     zero_loss: Optional[Callable[[Batch], bool]] = None
+    row_shape: Optional[Callable[[], RowShape]] = None
 
 
 def capabilities(algo: Any) -> Capabilities:
@@ -298,6 +317,7 @@ def capabilities(algo: Any) -> Capabilities:
         plan=algo.plan if isinstance(algo, Scheduled) else None,
         eval_completions=algo.eval_completions if isinstance(algo, ServesEval) else None,
         zero_loss=algo.zero_loss if isinstance(algo, KnowsZeroLoss) else None,
+        row_shape=algo.row_shape if isinstance(algo, ShapesRows) else None,
     )
 
 

@@ -44,7 +44,7 @@ from torch import nn
 
 from algorithms import losses
 from algorithms.advantages import SCALES, group_advantages
-from algorithms.base import Batch, PolicyTerms, RolloutContext, StepOutput, TokenLogprobs, Traits
+from algorithms.base import Batch, PolicyTerms, RolloutContext, RowShape, StepOutput, TokenLogprobs, Traits
 from algorithms.rollouts import encode_prompt, rollout_batch, sample
 from algorithms.scoring import scatter_tokens, student_features
 from algorithms.teacher import SelfTeacher
@@ -170,6 +170,10 @@ class GRPO:
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         return train_all_or_lora(model, self.cfg)
+
+    def row_shape(self) -> RowShape:
+        """The student prompt + a sampled completion of at most trainer.max_new_tokens."""
+        return RowShape("sampled")
 
     # --- rollouts -------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from algorithms import losses
-from algorithms.base import Batch, RolloutContext, StepOutput, Traits, pad_right
+from algorithms.base import Batch, RolloutContext, RowShape, StepOutput, Traits, pad_right
 from models.prompts import continuation_ids, prompt_ids
 from tasks import mask_spans
 
@@ -46,6 +46,10 @@ class SFT:
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         model.requires_grad_(True)
         return model
+
+    def row_shape(self) -> RowShape:
+        """Prompt + the reference solution + EOS; the teacher prompt too with reference_fraction > 0."""
+        return RowShape("reference", teacher_prompt=self.cfg.reference_fraction > 0)
 
     def prompt_text(self, example: Any, task: Any) -> str:
         if self.rng.random() >= self.cfg.reference_fraction:

@@ -196,7 +196,13 @@ def load_model(model_dir: str, adapter: str | None, device: str):
     if adapter:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+        from models.loading import plain_weights
+
+        try:
+            with plain_weights(adapter):
+                model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+        except ModelDirError as err:  # a weights pickle that is not plain data: refused, nothing of it ran
+            _usage_exit(str(err))
     return model.to(device).eval(), tokenizer
 
 

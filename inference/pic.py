@@ -835,8 +835,14 @@ def load_query_adapter(base: nn.Module, adapter_dir: str) -> dict[int, Tensor]:
     PICError when the adapter does not fit the base or adapts anything but q_proj."""
     from peft import PeftModel
 
+    from models.loading import plain_weights
+    from models.model_dir import ModelDirError
+
     try:
-        peft_model = PeftModel.from_pretrained(base, adapter_dir)
+        with plain_weights(adapter_dir):  # a weights pickle that is not plain data: one line, nothing of it ran
+            peft_model = PeftModel.from_pretrained(base, adapter_dir)
+    except ModelDirError as err:
+        raise PICError(str(err)) from None
     except (RuntimeError, ValueError, KeyError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise PICError(f"adapter {adapter_dir} does not match the base model: {first}") from None

@@ -6,13 +6,15 @@ embedded tiny Qwen3 built from a config with the local character tokenizer (no d
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
-from models.model_dir import ModelDirError, looks_like_hub_id, model_dir_problem
+from models.model_dir import ModelDirError, looks_like_hub_id, model_dir_problem, refused_pickle_reason
 from models.tokenizer import build_char_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -85,8 +87,21 @@ def load_pretrained(
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    with plain_weights(path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def plain_weights(path: str):
+    """Weights load as data only: safetensors, or a `.bin` pickle read by transformers / peft with
+    `weights_only=True`. A pickle that asks for more is refused there (nothing of it runs); here that
+    refusal becomes one line naming the directory."""
+    try:
+        yield
+    except pickle.UnpicklingError as err:
+        raise ModelDirError(f"{path}: a weights file is not plain data ({refused_pickle_reason(err)}); nothing of "
+                            "it ran. Save weights as safetensors (save_pretrained's default)") from None
 
 
 def _load_adapter(path: str, dtype: str, trust_remote_code: bool):
@@ -97,7 +112,8 @@ def _load_adapter(path: str, dtype: str, trust_remote_code: bool):
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return PeftModel.from_pretrained(model, path).merge_and_unload(), tokenizer
+    with plain_weights(path):
+        return PeftModel.from_pretrained(model, path).merge_and_unload(), tokenizer
 
 
 def meta_model(config) -> PreTrainedModel:

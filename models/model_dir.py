@@ -5,6 +5,7 @@ malformed hub id; a missing tokenizer as a missing sentencepiece / tiktoken inst
 from __future__ import annotations
 
 import os
+import re
 
 CONFIG_FILES = ("config.json", "adapter_config.json")  # a Hugging Face model, or a PEFT adapter
 # Any one of these lets AutoTokenizer build the tokenizer; with none of them it cannot.
@@ -38,3 +39,13 @@ def model_dir_problem(path: str) -> str | None:
     if not any(os.path.exists(os.path.join(path, f)) for f in CONFIG_FILES):
         return f"{path} has no config.json or adapter_config.json (not a Hugging Face model or PEFT adapter directory)"
     return tokenizer_problem(path)
+
+
+def refused_pickle_reason(err: BaseException) -> str:
+    """What a weights-only load refused, from torch's multi-line UnpicklingError, in a few words."""
+    text = str(err)
+    asked = re.search(r"Unsupported global: (?:GLOBAL )?(\S+)", text)
+    if asked:
+        return f"it asks to build or call `{asked.group(1)}`"
+    detail = re.search(r"WeightsUnpickler error: ([^\n]+)", text)
+    return " ".join(detail.group(1).split())[:200] if detail else "a pickle that is not plain data"

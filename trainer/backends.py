@@ -22,10 +22,14 @@ import torch
 from torch import nn
 
 from models.anatomy import decoder_layers
+from trainer.checkpoint import (CheckpointError, agree, apply_part, deepspeed_files, guard_deepspeed, has_part,
+                                read_part, vet_deepspeed, write_part)
 from trainer.distributed import World
 from trainer.precision import Precision, check_masters
 
-OPTIM_FILE, MODEL_FILE, SCHED_FILE, SCALER_FILE = "optimizer.pt", "model.pt", "scheduler.pt", "scaler.pt"
+# the backend's parts of a checkpoint, each written by trainer.state_io as NAME.json (+ NAME.safetensors):
+# data only, so loading a checkpoint runs no code (trainer/checkpoint.py)
+OPTIM_FILE, MODEL_FILE, SCHED_FILE, SCALER_FILE = "optimizer", "model", "scheduler", "scaler"
 
 
 class Backend(Protocol):
@@ -117,18 +121,23 @@ class SingleBackend:
 
     def save(self, path: str) -> None:
         if self.world.is_main:
-            torch.save(self.model.state_dict(), os.path.join(path, MODEL_FILE))
-            torch.save(self.optimizer.state_dict(), os.path.join(path, OPTIM_FILE))
-            torch.save(self.scheduler.state_dict(), os.path.join(path, SCHED_FILE))
+            write_part(self.model.state_dict(), path, MODEL_FILE)
+            write_part(self.optimizer.state_dict(), path, OPTIM_FILE)
+            write_part(self.scheduler.state_dict(), path, SCHED_FILE)
             if self.scaler is not None:
-                torch.save(self.scaler.state_dict(), os.path.join(path, SCALER_FILE))
+                write_part(self.scaler.state_dict(), path, SCALER_FILE)
 
     def load(self, path: str) -> None:
-        self.model.load_state_dict(torch.load(os.path.join(path, MODEL_FILE), map_location=self.world.device))
-        self.optimizer.load_state_dict(torch.load(os.path.join(path, OPTIM_FILE), map_location=self.world.device))
-        self.scheduler.load_state_dict(torch.load(os.path.join(path, SCHED_FILE)))
-        if self.scaler is not None and os.path.exists(os.path.join(path, SCALER_FILE)):
-            self.scaler.load_state_dict(torch.load(os.path.join(path, SCALER_FILE)))
+        # every part is read (and checked) before any is applied: a bad file leaves the run untouched
+        device = self.world.device
+        parts = {name: read_part(path, name, device) for name in (MODEL_FILE, OPTIM_FILE, SCHED_FILE)}
+        if self.scaler is not None and has_part(path, SCALER_FILE):
+            parts[SCALER_FILE] = read_part(path, SCALER_FILE)
+        apply_part(path, MODEL_FILE, self.model.load_state_dict, parts[MODEL_FILE])
+        apply_part(path, OPTIM_FILE, self.optimizer.load_state_dict, parts[OPTIM_FILE])
+        apply_part(path, SCHED_FILE, self.scheduler.load_state_dict, parts[SCHED_FILE])
+        if SCALER_FILE in parts:
+            apply_part(path, SCALER_FILE, self.scaler.load_state_dict, parts[SCALER_FILE])
 
 
 class DDPBackend(SingleBackend):
@@ -193,20 +202,28 @@ class FSDPBackend:
         model_state = get_model_state_dict(self.model, options=opts)
         optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
         if self.world.is_main:
-            torch.save(model_state, os.path.join(path, MODEL_FILE))
-            torch.save(optim_state, os.path.join(path, OPTIM_FILE))
-            torch.save(self.scheduler.state_dict(), os.path.join(path, SCHED_FILE))
+            write_part(model_state, path, MODEL_FILE)
+            write_part(optim_state, path, OPTIM_FILE)
+            write_part(self.scheduler.state_dict(), path, SCHED_FILE)
 
     def load(self, path: str) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         opts = self._options(broadcast_from_rank0=True)
-        main = self.world.is_main
-        model_state = torch.load(os.path.join(path, MODEL_FILE)) if main else {}
-        optim_state = torch.load(os.path.join(path, OPTIM_FILE)) if main else {}
-        set_model_state_dict(self.model, model_state, options=opts)
-        set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=opts)
-        self.scheduler.load_state_dict(torch.load(os.path.join(path, SCHED_FILE)))
+        # rank 0 reads the full states (broadcast below); every rank learns whether that worked before any
+        # collective, so a bad file is one error on every rank, not a hang
+        problem, model_state, optim_state = None, {}, {}
+        try:
+            if self.world.is_main:
+                model_state, optim_state = read_part(path, MODEL_FILE), read_part(path, OPTIM_FILE)
+            sched_state = read_part(path, SCHED_FILE)
+        except CheckpointError as err:
+            problem = err
+        agree(self.world, problem)
+        apply_part(path, MODEL_FILE, lambda s: set_model_state_dict(self.model, s, options=opts), model_state)
+        apply_part(path, OPTIM_FILE, lambda s: set_optimizer_state_dict(self.model, self.optimizer, s, options=opts),
+                   optim_state)
+        apply_part(path, SCHED_FILE, self.scheduler.load_state_dict, sched_state)
 
 
 @contextlib.contextmanager
@@ -236,7 +253,7 @@ class DeepSpeedBackend:
     def __init__(self, model: nn.Module, tcfg: Any, world: World, zero_stage: int, micro_steps: int):
         import deepspeed
 
-        self.world = world
+        self.world, self.zero_stage = world, zero_stage
         self._replica = copy.deepcopy(model) if zero_stage == 3 else None
         config = {
             "train_micro_batch_size_per_gpu": tcfg.micro_batch_size,
@@ -257,6 +274,7 @@ class DeepSpeedBackend:
         )
         self.model = self.engine.module
         self.train_model = self.engine
+        guard_deepspeed(self.engine)  # its checkpoint reads run no code (trainer/checkpoint.py)
 
     def accumulate(self, last: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # DeepSpeed counts micro-steps to the accumulation boundary
@@ -287,7 +305,24 @@ class DeepSpeedBackend:
         self.engine.save_checkpoint(path, tag=self.TAG)
 
     def load(self, path: str) -> None:
-        self.engine.load_checkpoint(path, tag=self.TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+        folder = os.path.join(path, self.TAG)
+        problem = None
+        try:
+            # every file is there, opens and names only allowed types, before anything is applied
+            vet_deepspeed(folder, deepspeed_files(self.zero_stage, self.world.size))
+        except CheckpointError as err:
+            problem = err
+        agree(self.world, problem)
+        try:
+            loaded, _ = self.engine.load_checkpoint(path, tag=self.TAG, load_optimizer_states=True,
+                                                    load_lr_scheduler_states=True)
+        except CheckpointError:
+            raise
+        except (RuntimeError, KeyError, ValueError, TypeError, IndexError, AttributeError, AssertionError) as err:
+            raise CheckpointError(f"{folder}: DeepSpeed could not resume from it ({type(err).__name__}: "
+                                  f"{' '.join(str(err).split())[:300]})") from None
+        if loaded is None:  # DeepSpeed only warns when it finds no checkpoint
+            raise CheckpointError(f"{folder}: DeepSpeed found no checkpoint in it")
 
 
 def build_backend(name: str, model: nn.Module, tcfg: Any, world: World, zero_stage: int = 0, micro_steps: int = 1,

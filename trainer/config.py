@@ -159,6 +159,12 @@ class TrainerConfig:
     # hilore: optimizer state counted in the peak (AdamW 8)
     activation_optimizer_bytes_per_param: float = ActivationConfig.optimizer_bytes_per_param
     prompt_sharing: bool = False  # RL algorithms: each prompt computed once per group (trainer/prompt_sharing.py)
+    # The pre-flight memory check (trainer/memory.py, docs/memory.md): before the first step, the actor
+    # update's peak for the worst micro-batch is estimated against the memory available. error: refuse
+    # with one line (exit code 7) | auto: switch trainer.activations none -> checkpoint when that fits,
+    # else refuse | off: no check.
+    memory_check: str = "error"
+    memory_limit_gb: Optional[float] = None  # GiB per rank the update may use; null = what the device / host has free
 
 
 @dataclass
@@ -349,6 +355,7 @@ CHOICES = {
     "data.length_policy": ("error", "skip", "truncate_left"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.warm_start_task": ("auto", "arith", "multipath", "artifacts", "clm"),
+    "trainer.memory_check": ("error", "auto", "off"),  # trainer/memory.py::MODES
 }
 
 
@@ -373,6 +380,8 @@ def validate(cfg: TrainConfig) -> None:
             continue  # e.g. qad's ptq: evaluate and export the untrained student
         if getattr(t, key) <= 0:
             raise ConfigError(f"trainer.{key}={getattr(t, key)} must be > 0")
+    if t.memory_limit_gb is not None and not t.memory_limit_gb > 0:
+        raise ConfigError(f"trainer.memory_limit_gb={t.memory_limit_gb} must be > 0 (or null: the memory available)")
     if t.lr is not None and t.lr <= 0:  # None only before load_config's resolution (a config built in code)
         raise ConfigError(f"trainer.lr={t.lr} must be > 0")
     if t.prompt_sharing and not traits.prompt_sharing:

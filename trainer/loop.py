@@ -273,11 +273,15 @@ def save(s: Session) -> str:
 
 def resume(s: Session, path: Optional[str]) -> None:
     state = checkpoint.load_checkpoint(path, s.backend, s.world)
-    s.step = state["step"]
-    s.stream.load_state_dict(state["stream"])
-    s.algo.load_state_dict(state["algo"])
-    generators = state["generator"]
-    s.generator.set_state(generators[s.world.rank] if isinstance(generators, list) else generators)
+    where = f"{path}/{checkpoint.STATE_NAME}"
+    s.step = int(state["step"])
+    checkpoint.apply_part(path, checkpoint.STATE_NAME, s.stream.load_state_dict, state["stream"])
+    checkpoint.apply_part(path, checkpoint.STATE_NAME, s.algo.load_state_dict, state["algo"])
+    generators = state.get("generator")
+    if generators is None:
+        raise checkpoint.CheckpointError(f"{where}: no rollout generator state")
+    mine = generators[s.world.rank] if isinstance(generators, list) else generators
+    checkpoint.apply_part(path, checkpoint.STATE_NAME, s.generator.set_state, mine)
     s.tracker.truncate_after(s.step)
 
 

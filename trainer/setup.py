@@ -2,7 +2,8 @@
 contract checked once) -> the actor-update options -> data stream -> tracker -> (resume).
 
 The actor-update options are applied by `apply_actor_update` in one visible order:
-algorithm surgery (LoRA, ...) -> activation management -> prompt sharing -> the distributed backend.
+algorithm surgery (LoRA, ...) -> the pre-flight memory check (trainer/memory.py) -> activation
+management -> prompt sharing -> the distributed backend.
 The warm-started default model is not built here: the warm-start stage (trainer/warm_start.py)
 runs before, and `load_model` only reads its cache entry."""
 from __future__ import annotations
@@ -132,7 +133,10 @@ def build_session(cfg: TrainConfig, world: World, model=None, tokenizer=None, ta
     if caps.check_task is not None:  # e.g. self-distillation needs reference solutions: fail before any work
         caps.check_task(task)
     t = cfg.trainer
-    backend, activations = apply_actor_update(cfg, world, algo, caps, model)
+    positions = model_positions(model)
+    preflight = lambda prepared: check_memory_before_training(cfg, world, prepared, task, tokenizer, caps,  # noqa: E731
+                                                              positions)
+    backend, activations = apply_actor_update(cfg, world, algo, caps, model, preflight)
     if world.is_main:
         print(Precision(cfg.model.dtype).describe(), flush=True)
         for key, why in getattr(cfg, "defaulted", {}).items():  # values load_config chose (trainer/config.py)
@@ -163,12 +167,14 @@ def _value(cfg: TrainConfig, key: str):
     return getattr(getattr(cfg, section), name)
 
 
-def apply_actor_update(cfg: TrainConfig, world: World, algo: Algorithm, caps: Capabilities, model):
+def apply_actor_update(cfg: TrainConfig, world: World, algo: Algorithm, caps: Capabilities, model, preflight=None):
     """The model the optimizer updates, with every actor-update option applied in this order:
     1. the algorithm's surgery (LoRA adapters, ...) and what trains;
-    2. activation management (trainer.activations: checkpoint / HiLoRe) on the decoder layers;
-    3. prompt sharing (trainer.prompt_sharing): the loss's log-probs from one forward per prompt group;
-    4. the distributed backend (DDP / FSDP2 / DeepSpeed), which wraps the result.
+    2. `preflight(model)` when given (build_session: the pre-flight memory check, which may raise
+       MemoryCheckError, or switch trainer.activations under trainer.memory_check=auto);
+    3. activation management (trainer.activations: checkpoint / HiLoRe) on the decoder layers;
+    4. prompt sharing (trainer.prompt_sharing): the loss's log-probs from one forward per prompt group;
+    5. the distributed backend (DDP / FSDP2 / DeepSpeed), which wraps the result.
     Returns (backend, activation manager or None)."""
     t = cfg.trainer
     model = algo.prepare_model(model).to(world.device)
@@ -178,6 +184,8 @@ def apply_actor_update(cfg: TrainConfig, world: World, algo: Algorithm, caps: Ca
         print(f"precision: {len(cast)} trainable parameters cast to fp32 master weights (e.g. {cast[0]})", flush=True)
     if caps.plan is not None:  # e.g. QAD's stages over trainer.max_steps
         caps.plan(t.max_steps)
+    if preflight is not None:  # before the activation mode is installed: memory_check=auto may change it
+        preflight(model)
     activations = install_activations(model, t)
     if t.prompt_sharing:
         assert caps.share_prompts is not None, "config validation admits prompt sharing only for such algorithms"
@@ -185,6 +193,24 @@ def apply_actor_update(cfg: TrainConfig, world: World, algo: Algorithm, caps: Ca
     micro_steps = -(-_per_rank_batch(t.batch_size, world.size) * caps.rows_per_prompt // t.micro_batch_size)
     backend = build_backend(cfg.backend.name, model, t, world, cfg.backend.zero_stage, micro_steps, precision)
     return backend, activations
+
+
+def check_memory_before_training(cfg: TrainConfig, world: World, model, task, tokenizer, caps: Capabilities,
+                                 positions: int | None) -> None:
+    """The pre-flight memory check (trainer/memory.py) on every rank, on the prepared model before any
+    eval or step: raises MemoryCheckError (train.py: one line, exit code 7) when the actor update's worst
+    micro-batch is estimated not to fit; under trainer.memory_check=auto it may set
+    trainer.activations=checkpoint instead, and says so on the main rank. Its cost: the byte lengths of
+    the training rows, the tokenizer on the few that could be the longest, three forwards of <= 64
+    tokens; nothing at all with trainer.memory_check=off."""
+    if cfg.trainer.memory_check == "off":
+        return
+    from trainer.memory import check_memory, worst_micro_batch
+
+    batch = worst_micro_batch(cfg, world, task, tokenizer, caps, positions)
+    line = check_memory(cfg, world, model, batch)
+    if line is not None and world.is_main:
+        print(line, flush=True)
 
 
 def install_activations(model, t):

@@ -146,7 +146,7 @@ def test_float16_with_loss_scaling_matches_fp32(tmp_path, fp32_run):
     assert agrees(stats), stats
     scale = session.backend.scaler.get_scale()  # the scaler's state is part of a checkpoint and is loaded back
     checkpoint = tmp_path / "float16" / "checkpoints" / f"step_{STEPS}"
-    assert (checkpoint / backends.SCALER_FILE).exists()
+    assert (checkpoint / f"{backends.SCALER_FILE}.json").exists()
     session.backend.scaler.update(new_scale=3.0)
     session.backend.load(str(checkpoint))
     assert session.backend.scaler.get_scale() == scale != 3.0
@@ -241,9 +241,11 @@ def test_two_ranks_in_bf16_match_one_and_keep_fp32_masters(tmp_path, subprocess_
     losses = _losses_and_final(out, _train_script(out, subprocess_env, 2, *backend))
     assert max(abs(a - b) for a, b in zip(losses, single_bf16_losses)) < BF16_PARITY_TOL, (losses, single_bf16_losses)
     if backend[0] != "backend=deepspeed":  # our checkpoint files: full model and optimizer state, all fp32
+        from trainer.state_io import read_state
+
         step = out / "checkpoints" / f"step_{DIST_STEPS}"
-        model = torch.load(step / backends.MODEL_FILE)
-        optim = torch.load(step / backends.OPTIM_FILE)
+        model = read_state(str(step), backends.MODEL_FILE)
+        optim = read_state(str(step), backends.OPTIM_FILE)
         assert model and all(v.dtype == torch.float32 for v in model.values() if v.is_floating_point())
         moments = [v for s in optim["state"].values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")]
         assert moments and all(v.dtype == torch.float32 for v in moments)

@@ -8,7 +8,8 @@ A :class:`Profile` holds per-token figures of every recovery unit (measured by
 Peak-memory model (bytes, N tokens in the micro-batch). stored_l = N * {full_l, comp_l, in_l} for
 {full, compress, recompute}. Backward visits units L-1 .. 0; while unit l is processed, units > l are
 freed and unit l adds a transient: recompute -> its saved tensors minus its (already stored) input,
-compress -> its largest tensor being dequantised, full -> 0. Non-unit activations (the logits / head
+compress -> its largest tensor being dequantised, full -> 0 (each plus ``N * bwd_bytes``, the
+gradients of its activations, when the profile gives them: trainer/memory.py does). Non-unit activations (the logits / head
 part) add ``N * head_bytes_per_token`` throughout (default: vocab * (dtype bytes + 4): one logits
 row in the model dtype and one fp32 log-softmax row per token). Parameter gradients are counted in
 two scenarios -- allocated as backward reaches each unit (no gradient held yet: a step's first
@@ -54,6 +55,9 @@ class UnitProfile:
     comp_s: float  # compression + decompression time
     err: float  # relative compression error over the compressed tensors
     grad_bytes: float = 0.0  # absolute: gradient bytes of the unit's trainable parameters
+    # backward transient of the unit whatever its treatment (gradients of its activations); the manager's
+    # profile leaves it 0 (its budgets are relative), the pre-flight memory check (trainer/memory.py) sets it
+    bwd_bytes: float = 0.0
 
 
 @dataclass
@@ -86,13 +90,13 @@ def _peaks(prof: Profile, plan: list[str], tokens: int) -> list[float]:
     for u, t in zip(prof.units, plan):
         if t == FULL:
             stored.append(n * u.full_bytes)
-            trans.append(0.0)
+            trans.append(n * u.bwd_bytes)
         elif t == COMPRESS:
             stored.append(n * u.comp_bytes)
-            trans.append(n * u.max_tensor_bytes)
+            trans.append(n * (u.max_tensor_bytes + u.bwd_bytes))
         else:
             stored.append(n * u.in_bytes)
-            trans.append(n * (u.full_bytes - (u.in_bytes if u.input_saved else 0.0)))
+            trans.append(n * (u.full_bytes - (u.in_bytes if u.input_saved else 0.0) + u.bwd_bytes))
     grads = [u.grad_bytes for u in prof.units]
     total_grads = sum(grads) + prof.other_grad_bytes
     fwd_end = sum(stored) + head + prof.static_bytes
