@@ -2,7 +2,7 @@
 
 An algorithm never touches process groups, optimizers or files. The contract is `Algorithm` below;
 optional capabilities (`ChecksTask`, `GroupedRollouts`, `SharesPrompts`, `ExposesTokens`,
-`EvaluatesDrafter`, `ServesEval`, `Scheduled`, `KnowsZeroLoss`, `ShapesRows`) are typed protocols resolved once at setup into `Capabilities`, and the config
+`EvaluatesDrafter`, `ServesEval`, `Scheduled`, `KnowsZeroLoss`, `ShapesRows`, `KeepsCopies`) are typed protocols resolved once at setup into `Capabilities`, and the config
 declares `Traits`. The trainer (trainer/loop.py) calls, per step,
 
     batch = algo.make_batch(examples, ctx)       # no grad: rollouts, teacher passes, rewards
@@ -275,6 +275,13 @@ class ShapesRows(Protocol):
 
 
 @runtime_checkable
+class KeepsCopies(Protocol):
+    def weight_copies(self, model: Any) -> int:
+        """How many full copies of the prepared `model`'s weights the algorithm keeps beside it during the
+        run (a frozen or EMA teacher, a KL reference), for the pre-flight memory check. Without it: none."""
+
+
+@runtime_checkable
 class ChecksRun(Protocol):
     """An algorithm config whose values are checked against the budget and the model's layout."""
 
@@ -297,6 +304,7 @@ class Capabilities:
     eval_completions: Optional[Callable[..., list]] = None
     zero_loss: Optional[Callable[[Batch], bool]] = None
     row_shape: Optional[Callable[[], RowShape]] = None
+    weight_copies: Optional[Callable[[Any], int]] = None
 
 
 def capabilities(algo: Any) -> Capabilities:
@@ -318,6 +326,7 @@ def capabilities(algo: Any) -> Capabilities:
         eval_completions=algo.eval_completions if isinstance(algo, ServesEval) else None,
         zero_loss=algo.zero_loss if isinstance(algo, KnowsZeroLoss) else None,
         row_shape=algo.row_shape if isinstance(algo, ShapesRows) else None,
+        weight_copies=algo.weight_copies if isinstance(algo, KeepsCopies) else None,
     )
 
 

@@ -171,6 +171,10 @@ class GRPO:
     def prepare_model(self, model: nn.Module) -> nn.Module:
         return train_all_or_lora(model, self.cfg)
 
+    def weight_copies(self, model: nn.Module) -> int:
+        """The KL reference's copy of the starting weights (`beta > 0`, full fine-tuning; trainer/memory.py)."""
+        return self.reference.copies(model) if self.cfg.beta > 0 else 0
+
     def row_shape(self) -> RowShape:
         """The student prompt + a sampled completion of at most trainer.max_new_tokens."""
         return RowShape("sampled")

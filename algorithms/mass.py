@@ -209,6 +209,10 @@ class MASS:
     def prepare_model(self, model: nn.Module) -> nn.Module:
         return train_all_or_lora(model, self.cfg)
 
+    def weight_copies(self, model: nn.Module) -> int:
+        """The frozen (`fixed`) or `ema` teacher's copy, made at the first step (trainer/memory.py)."""
+        return self.teacher.copies(model)
+
     def check_task(self, task: Any) -> None:
         require_references(task.train_examples(), self.name)
 

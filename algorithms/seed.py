@@ -272,6 +272,10 @@ class SEED:
         model.requires_grad_(True)
         return model
 
+    def weight_copies(self, model: nn.Module) -> int:
+        """The anchor's copy of the starting weights (data_source=self with self_anchor; trainer/memory.py)."""
+        return self.reference.copies(model) if self.anchored else 0
+
     def make_batch(self, examples: Sequence[Any], ctx: RolloutContext) -> Batch:
         tok, task = ctx.tokenizer, ctx.task
         prompts = [encode_prompt(tok, task.prompt(ex)) for ex in examples]

@@ -31,6 +31,13 @@ class SelfTeacher:
             self._refresh(policy)
             yield self.copy
 
+    def copies(self, policy: nn.Module) -> int:
+        """Full copies of `policy`'s weights this teacher keeps: none for `current` and for `fixed` over
+        LoRA (the adapters are disabled instead), one otherwise."""
+        if self.mode == "current" or (self.mode == "fixed" and hasattr(policy, "disable_adapter")):
+            return 0
+        return 1
+
     @torch.no_grad()
     def _refresh(self, policy: nn.Module) -> None:
         if self.copy is None:

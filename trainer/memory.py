@@ -42,13 +42,19 @@ docs/memory.md), over two forward + backward passes and an AdamW step on CPU, fo
 eager / sdpa, two lengths and a padded two-row micro-batch: the estimate is 1.2x - 1.9x the resident
 growth under glibc's default malloc (as train.py runs; the test allows 0.95x - 2.25x), its live-tensor
 part 1.09x - 1.57x the growth when every large tensor is its own mmap (allowed 0.95x - 1.75x); never
-below the measured peak. Not counted: memory outside the
-actor update (rollouts' KV cache, a frozen teacher or reference copy made later, a batch's stored
-teacher states).
+below the measured peak.
+
+Also counted: the full weight copies the algorithm will keep (a frozen or EMA teacher, a KL reference:
+algorithms.base.KeepsCopies) as static memory; and, where the algorithm generates, the rollouts' phase
+(`rollout_estimate`): one engine call of a rank's rows per step with its KV cache pre-allocated for the
+longest prompt + trainer.max_new_tokens, the prefill's working set, beside the weights, optimizer state
+and copies (measured: 1.28x - 1.43x the resident growth of the call). Not counted: a batch's stored
+teacher states.
 
 Available memory (per rank): `trainer.memory_limit_gb` when set; else on CUDA free device memory (plus
 what this process's caching allocator holds unused) and on CPU MemAvailable of /proc/meminfo (or the
-cgroup's limit less its usage, when lower) shared by the ranks of this host; plus the model's weights,
+cgroup's limit less its usage, when lower) shared by the ranks of this host, or this process's RLIMIT_AS
+(prlimit --as) less its virtual size when lower still; plus the model's weights,
 which are resident already and counted in the estimate. Every rank computes the estimate; the
 smallest available memory and the largest estimate over the ranks decide, so all ranks refuse (or
 switch) together.
@@ -97,6 +103,13 @@ class WorstBatch:
     uid: str
     kind: str  # "reference" (prompt + solution + EOS) | "rollout" (prompt + trainer.max_new_tokens)
     max_new_tokens: int = 0
+    # the rollouts, where the algorithm generates: one engine call of `rollout_rows` rows (a rank's prompts
+    # per step x rows_per_prompt) whose KV cache holds `rollout_width` positions (the longest prompt +
+    # trainer.max_new_tokens), the longest prompt being example `rollout_uid`; 0 rows when nothing generates
+    rollout_rows: int = 0
+    rollout_width: int = 0
+    rollout_uid: str = ""
+    rows_per_prompt: int = 1
 
 
 def row_shape(cfg, caps) -> "RowShape":
@@ -160,10 +173,11 @@ def _lengths(cfg, shape, task, tokenizer, examples) -> list[tuple[int, str]]:
     return out
 
 
-def longest_row(cfg, caps, task, tokenizer) -> tuple[int, str, str]:
-    """(tokens, uid, "reference" | "rollout") of the longest training row. Exact, tokenizing only the
-    examples whose cheap bound could still beat the longest found (most data never reaches the tokenizer)."""
-    shape = row_shape(cfg, caps)
+def longest_row(cfg, caps, task, tokenizer, shape=None) -> tuple[int, str, str]:
+    """(tokens, uid, "reference" | "rollout") of the longest training row (of rows shaped `shape`, by
+    default the algorithm's). Exact, tokenizing only the examples whose cheap bound could still beat the
+    longest found (most data never reaches the tokenizer)."""
+    shape = shape if shape is not None else row_shape(cfg, caps)
     examples = list(task.train_examples())
     bounds = _bounds(cfg, shape, task, examples)
     order = sorted(range(len(examples)), key=lambda i: -bounds[i])
@@ -180,12 +194,22 @@ def longest_row(cfg, caps, task, tokenizer) -> tuple[int, str, str]:
 def worst_micro_batch(cfg, world, task, tokenizer, caps, positions: Optional[int]) -> WorstBatch:
     """The worst micro-batch: micro_batch_size rows (at most the rows a rank makes per step:
     prompts per rank x rows_per_prompt) padded to the longest row, capped at the model's positions."""
-    tokens, uid, kind = longest_row(cfg, caps, task, tokenizer)
+    shape = row_shape(cfg, caps)
+    tokens, uid, kind = longest_row(cfg, caps, task, tokenizer, shape)
     if positions:
         tokens = min(tokens, positions)
     t = cfg.trainer
     per_rank = max(t.batch_size // max(world.size, 1), 1) * caps.rows_per_prompt
-    return WorstBatch(min(t.micro_batch_size, per_rank), tokens, uid, kind, t.max_new_tokens)
+    rollout_rows, rollout_width, rollout_uid = 0, 0, ""
+    if shape.completion != "reference":  # it generates: every prompt of the step in one engine call
+        if kind == "rollout":
+            rollout_width, rollout_uid = tokens, uid
+        else:
+            rollout_width, rollout_uid, _ = longest_row(cfg, caps, task, tokenizer, replace(shape, completion="sampled"))
+            rollout_width = min(rollout_width, positions) if positions else rollout_width
+        rollout_rows = per_rank
+    return WorstBatch(min(t.micro_batch_size, per_rank), tokens, uid, kind, t.max_new_tokens, rollout_rows,
+                      rollout_width, rollout_uid, caps.rows_per_prompt)
 
 
 # --- the measured profile -------------------------------------------------------------------------
@@ -220,6 +244,7 @@ class ModelFit:
     largest_trainable_bytes: float
     attention: str
     padded: bool
+    kv_bytes_per_token: float = 0.0  # one row's K/V over every layer, in the weights' dtype (the engine's cache)
 
 
 def _fit(xs: Sequence[int], ys: Sequence[float]) -> Poly:
@@ -361,7 +386,23 @@ def measure(model: nn.Module, device: torch.device, dtype: str = "float32", padd
                     trainable_numel=sum(p.numel() for p in trainable),
                     largest_trainable_bytes=float(max((p.numel() * p.element_size() for p in trainable), default=0)),
                     attention=str(getattr(getattr(lm, "config", None), "_attn_implementation", None) or "unknown"),
-                    padded=padded)
+                    padded=padded, kv_bytes_per_token=kv_bytes_per_token(lm, len(layers)))
+
+
+def kv_bytes_per_token(lm: nn.Module, layers: int) -> float:
+    """Bytes of one position's keys and values over every layer, in the weights' dtype (the engine's
+    KV cache: inference/lean.py::KVCache; the HF fallback's cache is no larger). Without the usual config
+    fields: full multi-head attention (2 x hidden per layer), an upper bound."""
+    config = getattr(lm, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    first = next(lm.parameters(), None)
+    elem = first.element_size() if first is not None else 4
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else 0)
+    per_layer = 2 * kv_heads * head_dim if kv_heads and head_dim else 2 * hidden
+    return float(layers * per_layer * elem)
 
 
 # --- the estimate ---------------------------------------------------------------------------------
@@ -398,8 +439,9 @@ class Estimate:
 
 
 def planner_profile(fit: ModelFit, rows: int, width: int, optimizer_bytes_per_param: float,
-                    layout: Layout) -> Profile:
-    """The measured figures as the HiLoRe planner's per-token Profile for `rows` x `width` tokens."""
+                    layout: Layout, held: float = 0.0) -> Profile:
+    """The measured figures as the HiLoRe planner's per-token Profile for `rows` x `width` tokens;
+    `held`: bytes held beside the model throughout (an algorithm's weight copies), counted as static."""
     tokens = float(rows * width)
     units = []
     for polys, grads, saved_in in zip(fit.units, fit.unit_grad_bytes, fit.input_saved):
@@ -409,30 +451,56 @@ def planner_profile(fit: ModelFit, rows: int, width: int, optimizer_bytes_per_pa
                                  grads * layout.grads, bwd_bytes=UNIT_BACKWARD * largest))
     head = sum(p.at(rows, width) for p in fit.other + fit.shared) / tokens
     static = (fit.param_bytes * layout.params + optimizer_bytes_per_param * fit.trainable_numel * layout.optimizer
-              + (sum(fit.unit_grad_bytes) + fit.other_grad_bytes if layout.buckets else 0.0))
+              + (sum(fit.unit_grad_bytes) + fit.other_grad_bytes if layout.buckets else 0.0) + held)
     return Profile(units, head, fit.other_grad_bytes * layout.grads, static)
 
 
 def estimate(fit: ModelFit, rows: int, width: int, mode: str, optimizer_bytes_per_param: float = 8.0,
-             layout: Layout = Layout(), memory_budget: float = 1.10) -> Estimate:
+             layout: Layout = Layout(), memory_budget: float = 1.10, held: float = 0.0) -> Estimate:
     """The actor update's peak for one micro-batch of `rows` x `width` tokens under activation `mode`:
     the peak of its live tensors (parts["live"]) plus what the allocator holds beyond them
-    (parts["allocator"], ALLOCATOR of the layout's device)."""
-    live = _live(fit, rows, width, mode, optimizer_bytes_per_param, layout, memory_budget)
-    share, constant = ALLOCATOR.get(layout.device, ALLOCATOR["cpu"])
-    extra = share * (live.peak - live.parts["static"]) + constant
+    (parts["allocator"], ALLOCATOR of the layout's device). `held`: bytes of weight copies the algorithm
+    keeps beside the model (static)."""
+    live = _live(fit, rows, width, mode, optimizer_bytes_per_param, layout, memory_budget, held)
+    return _with_allocator(live, layout)
+
+
+def _with_allocator(live: Estimate, layout: Layout, constant: bool = True) -> Estimate:
+    """`live` plus the allocator's allowance: ALLOCATOR's share of the transient bytes, and its constant
+    (measured above the update's live tensors; the rollouts' resident growth stayed below their live
+    tensors, docs/memory.md, so they get the share alone)."""
+    share, fixed = ALLOCATOR.get(layout.device, ALLOCATOR["cpu"])
+    extra = share * (live.peak - live.parts["static"]) + (fixed if constant else 0.0)
     return replace(live, peak=live.peak + extra, parts={**live.parts, "live": live.peak, "allocator": extra})
 
 
+def rollout_estimate(fit: ModelFit, rows: int, width: int, optimizer_bytes_per_param: float = 8.0,
+                     layout: Layout = Layout(), held: float = 0.0, prompt: Optional[int] = None) -> Estimate:
+    """The rollouts' peak: one engine call of `rows` rows whose pre-allocated KV cache holds `width`
+    positions each (`prompt` of them the left-padded prompts; default all), beside the weights, the
+    optimizer state and `held` (gradients are freed between steps), plus the prefill's working set (one
+    layer's activations over the whole prompt batch, from the measured profile: an upper bound, since
+    inference keeps less than autograd saves) and the allocator's share as for the update."""
+    prompt = width if prompt is None else min(prompt, width)
+    static = (fit.param_bytes * layout.params + optimizer_bytes_per_param * fit.trainable_numel * layout.optimizer
+              + held)
+    kv = rows * width * fit.kv_bytes_per_token
+    prefill = max((sum(p.at(rows, prompt) for p in polys) for polys in fit.units), default=0.0)
+    prefill += sum(p.at(rows, prompt) for p in fit.shared)
+    live = Estimate(static + kv + prefill, "rollout", rows, width,
+                    {"static": static, "activations": kv + prefill, "kv_cache": kv, "phase": "rollout"})
+    return _with_allocator(live, layout, constant=False)
+
+
 def _live(fit: ModelFit, rows: int, width: int, mode: str, optimizer_bytes_per_param: float, layout: Layout,
-          memory_budget: float) -> Estimate:
+          memory_budget: float, held: float = 0.0) -> Estimate:
     """The peak of the live tensors (bytes torch holds) and the phase it is reached in."""
     if mode == "hilore":  # its planner keeps the peak within memory_budget x the checkpointing peak
-        full, gc = (_live(fit, rows, width, m, optimizer_bytes_per_param, layout, memory_budget)
+        full, gc = (_live(fit, rows, width, m, optimizer_bytes_per_param, layout, memory_budget, held)
                     for m in ("none", "checkpoint"))
         best = full if full.peak <= memory_budget * gc.peak else replace(gc, peak=memory_budget * gc.peak)
         return replace(best, mode="hilore")
-    prof = planner_profile(fit, rows, width, optimizer_bytes_per_param, layout)
+    prof = planner_profile(fit, rows, width, optimizer_bytes_per_param, layout, held)
     plan = [FULL if mode == "none" else RECOMPUTE] * len(prof.units)
     tokens = rows * width
     fresh, accumulated = _peaks(prof, plan, tokens)
@@ -507,13 +575,36 @@ def available(device: torch.device, resident: float, limit_gb: Optional[float] =
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return free + cached + resident, f"free on {device} + the weights already there"
     local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
-    figures = [(v, name) for v, name in ((_meminfo_available(), "MemAvailable"), (_cgroup_available(), "cgroup limit less usage"))
+    share = f" / {local} ranks on this host" if local > 1 else ""
+    figures = [(v / local, name + share) for v, name in ((_meminfo_available(), "MemAvailable"),
+                                                        (_cgroup_available(), "cgroup limit less usage"))
                if v is not None]
+    own = _address_space_available()  # this process's own limit (prlimit --as, ulimit -v): not shared
+    if own is not None:
+        figures.append((own, "the address-space limit (RLIMIT_AS) less this process's size"))
     if not figures:
         return math.inf, "unknown (no /proc/meminfo)"
     free, name = min(figures)
-    share = f" / {local} ranks on this host" if local > 1 else ""
-    return free / local + resident, f"{name}{share} + the weights already resident"
+    return free + resident, f"{name} + the weights already resident"
+
+
+def _address_space_available() -> Optional[float]:
+    """RLIMIT_AS less the process's current virtual size (every new allocation adds to it), or None
+    without such a limit."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    except (ImportError, ValueError, OSError):
+        return None
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return None
+    try:
+        with open("/proc/self/status") as fh:
+            size = next(float(line.split()[1]) * 1024 for line in fh if line.startswith("VmSize:"))
+    except (OSError, StopIteration):
+        return None
+    return max(soft - size, 0.0)
 
 
 # --- the check ------------------------------------------------------------------------------------
@@ -524,21 +615,29 @@ def gib(n: float) -> str:
 
 
 def remedies(fit_for, batch: WorstBatch, mode: str, room: float, opt: float, layout: Layout,
-             budget: float) -> list[str]:
+             budget: float, held: float = 0.0) -> list[str]:
     """The keys that would make the update fit, each re-estimated alone: another activation mode, fewer
-    rows per micro-batch, a shorter longest row."""
+    rows per micro-batch, a shorter longest row; when neither the mode nor the rows alone fit, checkpointing
+    together with the most rows per micro-batch that then fit."""
     out = []
     for other in ("checkpoint", "hilore"):
         if other != mode and (mode == "none" or other == "checkpoint"):
-            e = estimate(fit_for(batch.rows), batch.rows, batch.width, other, opt, layout, budget)
+            e = estimate(fit_for(batch.rows), batch.rows, batch.width, other, opt, layout, budget, held)
             if e.peak <= room:
                 out.append(f"trainer.activations={other} ({gib(e.peak)})")
     for rows in range(batch.rows - 1, 0, -1):
-        e = estimate(fit_for(rows), rows, batch.width, mode, opt, layout, budget)
+        e = estimate(fit_for(rows), rows, batch.width, mode, opt, layout, budget, held)
         if e.peak <= room:
             out.append(f"trainer.micro_batch_size={rows} ({gib(e.peak)})")
             break
-    width = _longest_fitting_width(fit_for(batch.rows), batch, mode, room, opt, layout, budget)
+    if not out and mode != "checkpoint":  # the two together keep the whole row
+        for rows in range(batch.rows - 1, 0, -1):
+            e = estimate(fit_for(rows), rows, batch.width, "checkpoint", opt, layout, budget, held)
+            if e.peak <= room:
+                out.append(f"trainer.activations=checkpoint with trainer.micro_batch_size={rows} ({gib(e.peak)})")
+                break
+    width = _longest_fitting_width(lambda w: estimate(fit_for(batch.rows), batch.rows, w, mode, opt, layout, budget,
+                                                      held).peak, batch.width, room)
     if width is not None:
         if batch.kind == "reference":
             out.append(f"data.max_length={width} with data.length_policy=skip or truncate_left")
@@ -552,13 +651,12 @@ def remedies(fit_for, batch: WorstBatch, mode: str, room: float, opt: float, lay
     return out
 
 
-def _longest_fitting_width(fit: ModelFit, batch: WorstBatch, mode: str, room: float, opt: float, layout: Layout,
-                           budget: float) -> Optional[int]:
-    """The longest row (a multiple of 64 when above 64) at which the micro-batch fits, or None."""
-    lo, hi = 0, batch.width - 1  # the estimate grows with the width: bisect
+def _longest_fitting_width(peak_at, width: int, room: float) -> Optional[int]:
+    """The longest row below `width` (a multiple of 64 when above 128) whose `peak_at(row)` fits, or None."""
+    lo, hi = 0, width - 1  # the estimate grows with the width: bisect
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if estimate(fit, batch.rows, mid, mode, opt, layout, budget).peak <= room:
+        if peak_at(mid) <= room:
             lo = mid
         else:
             hi = mid - 1
@@ -567,10 +665,12 @@ def _longest_fitting_width(fit: ModelFit, batch: WorstBatch, mode: str, room: fl
     return lo - lo % 64 if lo >= 128 else lo
 
 
-def check_memory(cfg, world, model: nn.Module, batch: WorstBatch) -> Optional[str]:
-    """Raise MemoryCheckError when the actor update is estimated not to fit; with memory_check=auto
-    switch `trainer.activations` none -> checkpoint when that fits (cfg.trainer is updated, so the
-    config written to output_dir says so). Returns the line to print on the main rank, or None."""
+def check_memory(cfg, world, model: nn.Module, batch: WorstBatch, copies: int = 0) -> Optional[str]:
+    """Raise MemoryCheckError when the rollouts or the actor update are estimated not to fit; with
+    memory_check=auto switch `trainer.activations` none -> checkpoint when that makes the update fit
+    (cfg.trainer is updated, so the config written to output_dir says so). `copies`: full copies of the
+    weights the algorithm keeps beside the model (algorithms.base.KeepsCopies), counted in both phases.
+    Returns the line to print on the main rank, or None."""
     t = cfg.trainer
     if t.memory_check == "off":
         return None
@@ -584,27 +684,70 @@ def check_memory(cfg, world, model: nn.Module, batch: WorstBatch) -> Optional[st
         return fits[padded]
 
     opt, budget = t.activation_optimizer_bytes_per_param, t.activation_memory_budget
-    est = estimate(fit_for(batch.rows), batch.rows, batch.width, t.activations, opt, layout, budget)
     resident = fit_for(batch.rows).param_bytes * layout.params
+    held = copies * resident  # made after this check (at the first step): not resident yet
     room, how = available(world.device, resident, t.memory_limit_gb)
+    if batch.rollout_rows:
+        _check_rollouts(cfg, world, fit_for(batch.rollout_rows), batch, room, how, opt, layout, held, copies)
+    est = estimate(fit_for(batch.rows), batch.rows, batch.width, t.activations, opt, layout, budget, held)
     peak, room = _agree(world, est.peak, room)
     if peak <= room:
         return None
     if t.memory_check == "auto" and t.activations == "none":
-        gc = estimate(fit_for(batch.rows), batch.rows, batch.width, "checkpoint", opt, layout, budget)
+        gc = estimate(fit_for(batch.rows), batch.rows, batch.width, "checkpoint", opt, layout, budget, held)
         gc_peak, _ = _agree(world, gc.peak, room)
         if gc_peak <= room:
             t.activations = "checkpoint"
             return (f"memory check: trainer.activations=none -> checkpoint (trainer.memory_check=auto): the worst "
                     f"micro-batch, {_describe(batch)}, is estimated at {gib(peak)} without it and {gib(gc_peak)} with it; "
                     f"{gib(room)} available ({how})")
-    fixes = remedies(fit_for, batch, t.activations, room, opt, layout, budget)
+    fixes = remedies(fit_for, batch, t.activations, room, opt, layout, budget, held)
     fix = f"fits with: {'; '.join(fixes)}" if fixes else ("nothing alone fits: combine trainer.activations=checkpoint, "
                                                          "trainer.micro_batch_size and data.max_length")
     raise MemoryCheckError(
         f"memory check: the actor update's worst micro-batch, {_describe(batch)}, is estimated to peak at {gib(peak)} "
-        f"(trainer.activations={t.activations}, {fit_for(batch.rows).attention} attention, model.dtype={cfg.model.dtype}), "
+        f"(trainer.activations={t.activations}, {fit_for(batch.rows).attention} attention, model.dtype={cfg.model.dtype}"
+        f"{_copies(copies)}), "
         f"above the {gib(room)} available ({how}); {fix}; or trainer.memory_check=off to run anyway")
+
+
+def _copies(copies: int) -> str:
+    return f", {copies} frozen cop{'y' if copies == 1 else 'ies'} of the weights" if copies else ""
+
+
+def _check_rollouts(cfg, world, fit: ModelFit, batch: WorstBatch, room: float, how: str, opt: float, layout: Layout,
+                    held: float, copies: int) -> None:
+    """Refuse when the rollouts' engine call is estimated not to fit (the activation mode does not help
+    there): one line naming the longest prompt, the estimate and the keys that shrink the call."""
+    prompt = lambda width: max(width - cfg.trainer.max_new_tokens, 1)  # noqa: E731  (the longest prompt)
+    peak, room = _agree(world, rollout_estimate(fit, batch.rollout_rows, batch.rollout_width, opt, layout, held,
+                                                prompt(batch.rollout_width)).peak, room)
+    if peak <= room:
+        return
+    t, per_rank = cfg.trainer, max(batch.rollout_rows // max(batch.rows_per_prompt, 1), 1)
+    fixes = []
+    for prompts in range(per_rank - 1, 0, -1):  # fewer prompts per step: a smaller engine call
+        rows = prompts * batch.rows_per_prompt
+        e = rollout_estimate(fit, rows, batch.rollout_width, opt, layout, held, prompt(batch.rollout_width))
+        if e.peak <= room:
+            fixes.append(f"trainer.batch_size={prompts * max(world.size, 1)} ({gib(e.peak)})")
+            break
+    width = _longest_fitting_width(lambda w: rollout_estimate(fit, batch.rollout_rows, w, opt, layout, held,
+                                                              prompt(w)).peak, batch.rollout_width, room)
+    if width is not None:
+        excess = batch.rollout_width - width
+        if t.max_new_tokens > excess:
+            fixes.append(f"trainer.max_new_tokens={t.max_new_tokens - excess}")
+        if width > t.max_new_tokens:
+            fixes.append(f"data.max_prompt_tokens={width - t.max_new_tokens} with data.length_policy=skip or "
+                         "truncate_left")
+    fix = f"fits with: {'; '.join(fixes)}" if fixes else "nothing alone fits: combine trainer.batch_size and " \
+                                                         "trainer.max_new_tokens"
+    raise MemoryCheckError(
+        f"memory check: the rollouts, {batch.rollout_rows} rows whose KV cache holds {batch.rollout_width:,} positions "
+        f"each (the longest prompt: {batch.rollout_uid}, + trainer.max_new_tokens={t.max_new_tokens}), are estimated to "
+        f"peak at {gib(peak)} (model.dtype={cfg.model.dtype}{_copies(copies)}), above the {gib(room)} available ({how}); "
+        f"{fix}; or trainer.memory_check=off to run anyway")
 
 
 def _describe(batch: WorstBatch) -> str:

@@ -208,7 +208,8 @@ def check_memory_before_training(cfg: TrainConfig, world: World, model, task, to
     from trainer.memory import check_memory, worst_micro_batch
 
     batch = worst_micro_batch(cfg, world, task, tokenizer, caps, positions)
-    line = check_memory(cfg, world, model, batch)
+    copies = caps.weight_copies(model) if caps.weight_copies is not None else 0  # a frozen teacher, a reference
+    line = check_memory(cfg, world, model, batch, copies)
     if line is not None and world.is_main:
         print(line, flush=True)
 

@@ -3,6 +3,11 @@ pre-flight memory check's estimate (trainer/memory.py) against the measured peak
 backward passes (gradient accumulation) and an AdamW step of a tiny Qwen3 on CPU. Prints one JSON line per case.
 
     python tests/trainer/memory_worker.py [--quick]
+    python tests/trainer/memory_worker.py --rollouts
+
+With --rollouts, the rollouts' estimate (trainer.memory.rollout_estimate) instead: one engine call
+(inference.Engine, the lean decoder) of R rows x P prompt tokens + N new tokens, beside the weights and
+AdamW's state (already resident in both), against the resident growth of that call.
 
 Measured: the peak resident set (VmHWM of /proc/self/status, reset by writing 5 to /proc/self/clear_refs
 just before the step) less the resident set before the step. Compared with it: the check's estimate less
@@ -26,7 +31,7 @@ from algorithms.losses import token_logprobs  # noqa: E402
 from models.anatomy import no_kv_cache  # noqa: E402
 from models.loading import random_qwen3  # noqa: E402
 from trainer.activations import ActivationConfig, install  # noqa: E402
-from trainer.memory import Layout, estimate, measure  # noqa: E402
+from trainer.memory import Layout, estimate, measure, rollout_estimate  # noqa: E402
 
 VOCAB = 4096
 CONFIG = dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=768, head_dim=64,
@@ -35,6 +40,8 @@ CONFIG = dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=768,
 CASES = [(mode, attn, 1, n) for mode in ("none", "checkpoint") for attn in ("eager", "sdpa") for n in (1024, 2048)]
 CASES.append(("none", "sdpa", 2, 1024))  # a padded micro-batch of two rows (an explicit attention mask)
 MICRO_STEPS = 2  # gradient accumulation (the default SFT step: batch_size 32 / micro_batch_size 16)
+# (rows, prompt tokens, new tokens): KV caches of roughly 60 - 250 MB
+ROLLOUTS = [(8, 512, 512), (16, 512, 512), (32, 256, 256), (64, 128, 384)]
 QUICK = [("none", "eager", 1, 1024), ("checkpoint", "sdpa", 1, 2048)]
 
 
@@ -88,7 +95,41 @@ def run_case(mode: str, attn: str, rows: int, tokens: int) -> dict:
             "live_ratio": live / measured, "phase": est.parts["phase"]}
 
 
+def run_rollout(rows: int, prompt: int, new: int) -> dict:
+    from inference import Engine, SamplingParams
+
+    model = random_qwen3(VOCAB, seed=0, attn_implementation="sdpa", **CONFIG)
+    fit = measure(model, torch.device("cpu"), "float32", padded=False)
+    est = rollout_estimate(fit, rows, prompt + new, 8.0, Layout(), prompt=prompt)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    for p in model.parameters():  # AdamW's state exists, as it does between training steps
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    engine = Engine(model)
+    prompts = torch.randint(0, VOCAB, (rows, prompt), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_new_tokens=new, temperature=1.0)  # no stop token: every row runs to the end
+    _trim()
+    before = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    outs = engine.generate(prompts, params, generator=torch.Generator().manual_seed(0))
+    measured = _status("VmHWM") - before
+    assert all(len(o.tokens) == new for o in outs)
+    static = est.parts["static"]
+    predicted, live = est.peak - static, est.parts["live"] - static
+    del model, opt, engine, outs
+    _trim()
+    return {"rows": rows, "prompt": prompt, "new": new, "measured_mb": measured / 2 ** 20,
+            "estimated_mb": predicted / 2 ** 20, "ratio": predicted / measured, "live_mb": live / 2 ** 20,
+            "live_ratio": live / measured, "kv_cache_mb": est.parts["kv_cache"] / 2 ** 20}
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
-    for case in (QUICK if "--quick" in sys.argv else CASES):
-        print(json.dumps(run_case(*case)), flush=True)
+    if "--rollouts" in sys.argv:
+        for case in ROLLOUTS:
+            print(json.dumps(run_rollout(*case)), flush=True)
+    else:
+        for case in (QUICK if "--quick" in sys.argv else CASES):
+            print(json.dumps(run_case(*case)), flush=True)

@@ -15,7 +15,7 @@ import torch
 
 from tests.conftest import ROOT, tiny_config, tiny_overrides
 from trainer.memory import (ALLOCATOR, HEAD_BACKWARD, Layout, MemoryCheckError, ModelFit, Poly, WorstBatch, check_memory,
-                            estimate, longest_row, remedies, worst_micro_batch)
+                            estimate, longest_row, measure, remedies, rollout_estimate, worst_micro_batch)
 
 LONG_ROW = 3  # the third row of the file is the long one (train.jsonl:3), as in the user's report
 # The tiny run: 4 layers so that checkpointing saves a clear share; the char tokenizer makes one token a character.
@@ -56,6 +56,106 @@ def test_estimate_by_hand():
     assert fsdp.peak < none.peak and fsdp.parts["static"] == pytest.approx(3750)
 
 
+def test_rollout_estimate_and_held_copies_by_hand():
+    """Rollouts: 2 rows, a KV cache of 10 positions at 1000 B each = 20000; the prefill of 2 x 4 prompt tokens
+    through the largest unit (100 B/token) = 800; beside parameters + AdamW state 7500 and a held copy of
+    the weights (2500); the allocator's share (no constant) of the 20800 transient bytes.
+    Held copies are static in the update too: the peak rises by exactly their bytes."""
+    fit = _synthetic_fit()
+    fit.kv_bytes_per_token = 1000.0
+    share, _ = ALLOCATOR["cpu"]
+    r = rollout_estimate(fit, 2, 10, 8.0, Layout(), held=2500.0, prompt=4)
+    assert r.parts["kv_cache"] == pytest.approx(20000) and r.parts["static"] == pytest.approx(10000)
+    assert r.parts["live"] == pytest.approx(30800) and r.peak == pytest.approx(30800 + share * 20800)
+    for mode in ("none", "checkpoint"):
+        plain, held = estimate(fit, 1, 10, mode), estimate(fit, 1, 10, mode, held=2500.0)
+        assert held.parts["live"] - plain.parts["live"] == pytest.approx(2500)
+        assert held.peak - plain.peak == pytest.approx(2500)  # static: no allocator share on it
+
+
+def test_kv_bytes_per_token_is_the_engines_cache():
+    """The estimate's K/V bytes per position equal the lean engine's pre-allocated cache and the HF
+    forward's DynamicCache, on a grouped-query tiny Qwen3 (2 K/V heads for 4 query heads)."""
+    from inference.lean import KVCache, read_dims
+    from models.loading import random_qwen3
+
+    model = random_qwen3(97, hidden_size=64, num_layers=3, num_heads=4, kv_heads=2, intermediate_size=96,
+                         head_dim=16, max_positions=64)
+    fit = measure(model, torch.device("cpu"))
+    cache = KVCache(read_dims(model), 1, 32, torch.float32, torch.device("cpu"))
+    assert fit.kv_bytes_per_token == cache.kv.numel() * cache.kv.element_size() / 32 == 3 * 2 * 2 * 16 * 4
+    with torch.no_grad():
+        out = model(input_ids=torch.arange(20).unsqueeze(0), use_cache=True)
+    kv = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+    assert sum(t.numel() * t.element_size() for t in kv) == fit.kv_bytes_per_token * 20
+
+
+@pytest.mark.parametrize("algo, extra, copies", [
+    ("opsd", ["algo.teacher=current"], 0), ("opsd", ["algo.teacher=fixed"], 1), ("opsd", ["algo.teacher=ema"], 1),
+    ("opsd", ["algo.teacher=fixed", "algo.lora_rank=4"], 0), ("mass", ["algo.teacher=fixed"], 1),
+    ("grpo", [], 0), ("grpo", ["algo.beta=0.1"], 1), ("grpo", ["algo.beta=0.1", "algo.lora_rank=4"], 0)])
+def test_weight_copies_are_the_copies_the_algorithm_makes(tmp_path, algo, extra, copies):
+    """What an algorithm declares (algorithms.base.KeepsCopies) is what its teacher / reference really
+    holds once the first step has made it: counted in bytes against the prepared model's."""
+    from algorithms import build_algorithm
+    from algorithms.base import capabilities
+    from trainer.distributed import World
+    from trainer.setup import load_model
+
+    cfg = tiny_config(tmp_path, *extra, algo=algo)
+    model, _ = load_model(cfg.model, World())
+    impl = build_algorithm(cfg.algo)
+    prepared = impl.prepare_model(model)
+    assert capabilities(impl).weight_copies(prepared) == copies
+    holder = impl.reference if algo == "grpo" else impl.teacher
+    used = prepared
+    if algo != "grpo" or cfg.algo.beta > 0:  # GRPO reads its reference only for the KL term
+        with holder.weights(prepared) as used:  # what the step does: the copy is made on first use
+            pass
+    made = 0 if used is prepared else sum(p.numel() * p.element_size() for p in used.parameters())
+    weights = sum(p.numel() * p.element_size() for p in prepared.parameters())
+    assert made == copies * weights
+
+
+def test_rollouts_that_cannot_fit_are_refused_with_a_smaller_batch(tmp_path):
+    """GRPO: 8 prompts x 8 completions per step in one engine call. Under a budget between the rollouts'
+    estimate at 8 prompts and at 1, the line names the rollouts and trainer.batch_size; that key fits."""
+    cfg, world, model, tok, task, algo, caps = _session_parts(tmp_path, "trainer.max_new_tokens=64", algo="grpo")
+    batch = worst_micro_batch(cfg, world, task, tok, caps, 1024)
+    assert (batch.rollout_rows, batch.rows_per_prompt) == (64, 8) and batch.rollout_uid == f"train.jsonl:{LONG_ROW}"
+    fit = measure(model, world.device)
+    prompt = batch.rollout_width - 64
+    at = lambda rows: rollout_estimate(fit, rows, batch.rollout_width, 8.0, Layout(), prompt=prompt).peak  # noqa: E731
+    update = estimate(measure(model, world.device, padded=True), batch.rows, batch.width, "none").peak
+    assert at(64) > max(at(16), update)
+    cfg.trainer.memory_limit_gb = max(at(16), update) * 1.01 / 2 ** 30
+    with pytest.raises(MemoryCheckError) as err:
+        check_memory(cfg, world, model, batch)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("memory check: the rollouts, 64 rows") and "trainer.batch_size=" in line
+    prompts = int(line.split("trainer.batch_size=")[1].split()[0])
+    assert 2 <= prompts < 8
+    cfg.trainer.batch_size = prompts  # the suggested key
+    assert check_memory(cfg, world, model, worst_micro_batch(cfg, world, task, tok, caps, 1024)) is None
+
+
+def test_an_address_space_limit_is_the_budget(subprocess_env):
+    """Under `prlimit --as` (RLIMIT_AS) the memory available is that limit less the process's size, when
+    lower than MemAvailable: what a capped run can still allocate."""
+    code = ("import resource, torch\n"
+            "from trainer.memory import available\n"
+            "size = next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmSize:'))\n"
+            "limit = size + 2 ** 30\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (limit, limit))\n"
+            "room, how = available(torch.device('cpu'), 1000.0)\n"
+            "print(room, how, sep='|')\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env, capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    room, how = proc.stdout.strip().split("|")
+    assert "RLIMIT_AS" in how and 0.9 * 2 ** 30 < float(room) - 1000.0 <= 2 ** 30, (room, how)
+
+
 def test_remedies_by_hand(monkeypatch):
     monkeypatch.setitem(ALLOCATOR, "cpu", (0.0, 0.0))  # the live tensors alone, computed by hand above
     fit = _synthetic_fit()
@@ -79,6 +179,12 @@ def test_remedies_by_hand(monkeypatch):
     fixes = remedies(fit_for, WorstBatch(1, 10, "x:1", "rollout", max_new_tokens=9), "checkpoint", 13000, 8.0,
                      Layout(), 1.1)
     assert fixes == ["trainer.max_new_tokens=8"]  # a 1-token prompt: no prompt limit helps
+    # none at 4 x 10 under 13500: 10000 + 4000 r per r rows (r = 1: 14000), checkpoint at 4 rows 22400,
+    # hilore min(26000, 1.1 x 22400): no key alone keeps the row; checkpoint at 1 row (13100) does; and the
+    # width at 4 rows: 10000 + 1600 w <= 13500 -> w = 2
+    fixes = remedies(fit_for, WorstBatch(4, 10, "x:1", "reference"), "none", 13500, 8.0, Layout(), 1.1)
+    assert [f.split(" (")[0] for f in fixes] == ["trainer.activations=checkpoint with trainer.micro_batch_size=1",
+                                                 "data.max_length=2 with data.length_policy=skip or truncate_left"]
     # nothing fits: the static memory alone is 7500
     assert remedies(fit_for, WorstBatch(4, 10, "x:1", "reference"), "none", 7000, 8.0, Layout(), 1.1) == []
 
@@ -206,6 +312,21 @@ def _worker(env) -> list[dict]:
     cases = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(cases) == 9
     return cases
+
+
+@pytest.mark.slow
+def test_rollout_estimate_against_measured_peak_memory(subprocess_env):
+    """One engine call of 8 - 64 rows (KV caches of 64 - 256 MB): the estimate less what is resident
+    against the resident growth (docs/memory.md: 1.28x - 1.43x; live part 1.02x - 1.72x)."""
+    for env, key, top in ((subprocess_env, "ratio", FACTOR), (dict(subprocess_env, MALLOC_MMAP_THRESHOLD_="65536"),
+                                                               "live_ratio", 2.0)):
+        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "trainer" / "memory_worker.py"), "--rollouts"],
+                              env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        cases = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert len(cases) == 4
+        for c in cases:
+            assert c["measured_mb"] > 100 and 0.95 <= c[key] <= top, c
 
 
 @pytest.mark.slow
