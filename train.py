@@ -32,7 +32,7 @@ def run(cfg) -> int:
     from trainer.distributed import init_world, launched_world_size, shutdown
     from trainer.loop import NonFiniteLossError, fit
     from trainer.memory import MemoryCheckError
-    from trainer.setup import build_session, export_final
+    from trainer.setup import build_session, completed_run, export_final
     from trainer.warm_start import WarmStartError, ensure
 
     if cfg.backend.name == "auto":
@@ -40,6 +40,13 @@ def run(cfg) -> int:
     world = init_world(cfg.backend.dist_timeout_s)
     code = 0
     try:
+        done = completed_run(cfg)
+        if done is not None:  # nothing would train: say so, with the run's own figures
+            if world.is_main:
+                print(rerun_message(cfg, *done), flush=True)
+            if world.distributed:
+                shutdown(world, 0)
+            return 0
         ensure(cfg.model, world)  # the default model's warm-start stage (built once, cached)
         session = build_session(cfg, world)
         status = fit(session)
@@ -73,6 +80,21 @@ def run(cfg) -> int:
     if world.distributed:
         shutdown(world, code)  # does not return: see shutdown() for why
     return code
+
+
+def rerun_message(cfg, step: int, path: str) -> str:
+    """What a rerun of a finished run prints: it is complete, its before -> after figures from its own
+    metrics.jsonl, and the two ways to train again."""
+    from algorithms import build_algorithm
+    from algorithms.base import capabilities
+    from trainer.setup import recorded_evals
+
+    extra = capabilities(build_algorithm(cfg.algo)).summary_metrics
+    return (f"the run in {cfg.output_dir} is already complete at step {step} (trainer.max_steps={cfg.trainer.max_steps}; "
+            f"checkpoint {path}, artifact in {cfg.output_dir}/final); nothing was trained.\n"
+            f"{accuracy_summary(recorded_evals(cfg.output_dir), extra)}\n"
+            "to train again: another output_dir=DIR, or trainer.resume=never to start over in this one (its "
+            "metrics.jsonl is moved aside)")
 
 
 def accuracy_summary(evals: list[dict], extra: dict[str, str] | None = None) -> str:

@@ -8,9 +8,11 @@ The warm-started default model is not built here: the warm-start stage (trainer/
 runs before, and `load_model` only reads its cache entry."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
+from typing import Optional
 
 import numpy as np
 import torch
@@ -31,7 +33,7 @@ from trainer.loop import Session, resume
 from trainer.precision import Precision, masters
 from trainer.prompt_sharing import shared_prompt_logprobs
 from trainer.stream import PromptStream
-from trainer.tracking import Tracker
+from trainer.tracking import METRICS_FILE, Tracker
 
 ROLLOUT_SEED_OFFSET = 1_000_003  # rollout sampling stream, distinct per rank
 
@@ -145,6 +147,10 @@ def build_session(cfg: TrainConfig, world: World, model=None, tokenizer=None, ta
     resume_from = _resume_path(cfg)
     if world.is_main:
         os.makedirs(cfg.output_dir, exist_ok=True)
+        moved = set_aside_old_metrics(cfg.output_dir) if resume_from is None else None
+        if moved is not None:
+            print(f"starting afresh in {cfg.output_dir}: the earlier run's metrics.jsonl was moved to {moved}",
+                  flush=True)
         with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as fh:
             yaml.safe_dump(to_dict(cfg), fh, sort_keys=False)
     tracker = Tracker(cfg.output_dir, world.is_main, t.max_steps, use_wandb=cfg.logging.wandb,
@@ -227,6 +233,41 @@ def _per_rank_batch(batch_size: int, world_size: int) -> int:
     if batch_size % world_size:
         raise ValueError(f"trainer.batch_size={batch_size} is not divisible by the {world_size} ranks")
     return batch_size // world_size
+
+
+def completed_run(cfg: TrainConfig) -> Optional[tuple[int, str]]:
+    """(step, checkpoint) when `output_dir` already holds this run complete: `trainer.resume=auto` would
+    resume from a checkpoint at (or past) `trainer.max_steps` and `final/` was exported. Nothing would train."""
+    if cfg.trainer.resume != "auto" or not os.path.isdir(os.path.join(cfg.output_dir, "final")):
+        return None
+    found = checkpoint.complete_checkpoints(cfg.output_dir)
+    if not found or found[-1][0] < cfg.trainer.max_steps:
+        return None
+    return found[-1]
+
+
+def recorded_evals(output_dir: str) -> list[dict]:
+    """The eval records of the run's metrics.jsonl, in order (none when it is missing or unreadable)."""
+    path = os.path.join(output_dir, METRICS_FILE)
+    try:
+        with open(path) as fh:
+            rows = [json.loads(line) for line in fh if line.strip()]
+    except (OSError, ValueError):
+        return []
+    return [r for r in rows if isinstance(r, dict) and r.get("split") == "eval" and "accuracy" in r]
+
+
+def set_aside_old_metrics(output_dir: str) -> Optional[str]:
+    """A fresh start (nothing to resume) never appends to an earlier run's metrics.jsonl: it is renamed
+    to metrics.jsonl.old-N (the first free N). Returns the new name, or None when there was none."""
+    path = os.path.join(output_dir, METRICS_FILE)
+    if not os.path.exists(path):
+        return None
+    n = 1
+    while os.path.exists(f"{path}.old-{n}"):
+        n += 1
+    os.replace(path, f"{path}.old-{n}")
+    return f"{path}.old-{n}"
 
 
 def _resume_path(cfg: TrainConfig):
