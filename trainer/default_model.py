@@ -13,6 +13,13 @@ An entry is `model.cache_dir/tiny-<recipe hash>/`, a plain HF model directory pl
 the recipe, the steps trained, the held-out accuracy reached and the accuracy floor it was held to.
 It counts as complete only when all the recipe's steps ran and the accuracy reached the floor; an
 entry that says otherwise (an interrupted build published by an older version) is refused.
+
+Shipped weights: `models/default_weights/<task>/` holds an entry built by the default recipe of each
+warm-start task (`python -m trainer.warm_start --rebuild TASK` rebuilds one). Float results of CPU
+kernels differ by instruction set and processor, and hundreds of SFT steps amplify that into another
+model; so a run whose recipe is a shipped one installs those weights (`shipped_entry`) instead of
+building, and the default model -- and every figure measured from it -- is the same on every machine.
+A recipe of its own (another `model.seed`, shape or `model.warm_start_*` value) is built on first use.
 """
 from __future__ import annotations
 
@@ -111,9 +118,53 @@ def recipe(m: Any) -> dict:
     return out
 
 
+def recipe_key(m: Any) -> str:
+    return hashlib.sha256(json.dumps(recipe(m), sort_keys=True).encode()).hexdigest()[:12]
+
+
 def cache_path(m: Any) -> str:
-    key = hashlib.sha256(json.dumps(recipe(m), sort_keys=True).encode()).hexdigest()[:12]
-    return os.path.join(os.path.expanduser(m.cache_dir), f"tiny-{key}")
+    return os.path.join(os.path.expanduser(m.cache_dir), f"tiny-{recipe_key(m)}")
+
+
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "default_weights")
+# Measured build times of the default recipes on 2 CPU cores (seconds), for the notice printed before a
+# build: a recipe of its own takes about this, scaled by its steps.
+BUILD_SECONDS = {"arith": 326, "multipath": 480, "artifacts": 1923, "clm": 1088}
+
+
+def shipped_path(task: str) -> str:
+    return os.path.join(SHIPPED_DIR, task)
+
+
+def read_record(path: str) -> Optional[dict]:
+    try:
+        with open(os.path.join(path, DONE)) as fh:
+            record = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def shipped_entry(m: Any) -> Optional[str]:
+    """The shipped entry for `m`'s warm-start task when it was built by exactly `m`'s recipe and is
+    complete, else None."""
+    m = resolve(m)
+    path = shipped_path(m.warm_start_task)
+    record = read_record(path)
+    if record is None or json.dumps(record.get("recipe"), sort_keys=True) != json.dumps(recipe(m), sort_keys=True):
+        return None
+    return path if entry_problem(m, path) is None else None
+
+
+def build_notice(m: Any, path: str, why: Optional[str] = None) -> str:
+    """What a first-use build prints before it starts: what it builds, why, and about how long."""
+    m = resolve(m)
+    task = m.warm_start_task
+    seconds = BUILD_SECONDS[task] * m.warm_start_steps / WARM_NUMBERS[task]["steps"]
+    why = why or ("its recipe differs from the shipped one (model.seed, the model's shape or a model.warm_start_* "
+                  "key)" if read_record(shipped_path(task)) is not None else "no weights are shipped for it")
+    return (f"building the warm-started tiny model for {task} in {path}, once: {why}; about "
+            f"{max(1, round(seconds / 60))} minutes on 2 CPU cores ({m.warm_start_steps} SFT steps)")
 
 
 def entry_problem(m: Any, path: Optional[str] = None) -> Optional[str]:

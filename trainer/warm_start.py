@@ -33,7 +33,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from trainer.default_model import DONE, METRICS, WARM_TASK_DATA, cache_path, entry_problem, recipe, resolve, spec
+from trainer.default_model import (DONE, METRICS, WARM_TASK_DATA, build_notice, cache_path, entry_problem, read_record,
+                                   recipe, resolve, shipped_entry, shipped_path, spec)
 from trainer.distributed import World
 
 WARM_EVAL_EXAMPLES = 100
@@ -77,8 +78,23 @@ def _build_if_needed(m, path: str) -> None:
             _discard(path)
         for stale in glob.glob(f"{glob.escape(path)}.tmp-*"):  # a builder killed outright (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
-        print(f"building the warm-started tiny model (once) in {path}", flush=True)
+        shipped = shipped_entry(m)
+        if shipped is not None:
+            install(shipped, path)
+            record = read_record(path) or {}
+            print(f"installed the shipped default model for {m.warm_start_task} in {path} (built by its recipe, "
+                  f"held-out accuracy {record.get('accuracy', float('nan')):.3f})", flush=True)
+            return
+        print(build_notice(m, path), flush=True)
         build(m, path)
+
+
+def install(shipped: str, path: str) -> None:
+    """Copy the shipped entry into the cache: into a private directory, then one atomic rename."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(shipped, tmp)
+    os.replace(tmp, path)
 
 
 @contextlib.contextmanager
@@ -158,3 +174,72 @@ def build(m, path: str) -> None:
         torch.set_num_threads(threads)
         shutil.rmtree(tmp, ignore_errors=True)
 
+
+
+# --- the shipped weights (models/default_weights/) ------------------------------------------------
+
+
+def default_model_config(task: str, cache_dir: Optional[str] = None):
+    """The default model's config for `task` (configs/model/tiny.yaml: every warm_start_* number from
+    the task's recipe), resolved."""
+    from trainer.config import ModelConfig
+
+    m = ModelConfig(warm_start_task=task, warm_start_steps=None)
+    if cache_dir is not None:
+        m = dataclasses.replace(m, cache_dir=cache_dir)
+    return resolve(m)
+
+
+def ship(task: str, entry: str) -> str:
+    """Copy the complete cache entry `entry` (built by `task`'s default recipe on this machine) into
+    models/default_weights/TASK, recording the CPU it was built on; replaces the shipped entry in one
+    rename. Returns the shipped path."""
+    m = default_model_config(task)
+    problem = entry_problem(m, entry)
+    record = read_record(entry) or {}
+    if problem is not None or json.dumps(record.get("recipe"), sort_keys=True) != json.dumps(recipe(m), sort_keys=True):
+        raise WarmStartError(f"{entry} is not a complete entry of the default {task} recipe ({problem or 'another recipe'})")
+    dest = shipped_path(task)
+    tmp, old = f"{dest}.tmp-{os.getpid()}", f"{dest}.old-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(entry, tmp)
+    record["built_on"] = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__}
+    with open(os.path.join(tmp, DONE), "w") as fh:
+        json.dump(record, fh, indent=1)
+    if os.path.exists(dest):
+        os.replace(dest, old)
+    os.replace(tmp, dest)
+    shutil.rmtree(old, ignore_errors=True)
+    return dest
+
+
+def main(argv: list[str]) -> int:
+    """python -m trainer.warm_start --rebuild TASK [TASK ...]: build each task's default recipe from
+    scratch (in a temporary cache) and ship it; --ship TASK ...: ship the entry already built in the
+    cache (model.cache_dir's default) by that recipe."""
+    import argparse
+    import tempfile
+
+    from trainer.default_model import WARM_TASK_DATA as TASKS
+
+    parser = argparse.ArgumentParser(prog="python -m trainer.warm_start", description=main.__doc__)
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--rebuild", nargs="+", choices=sorted(TASKS), metavar="TASK")
+    group.add_argument("--ship", nargs="+", choices=sorted(TASKS), metavar="TASK")
+    args = parser.parse_args(argv)
+    for task in args.rebuild or []:
+        with tempfile.TemporaryDirectory(prefix="warm-rebuild-") as cache:
+            m = default_model_config(task, cache)
+            path = cache_path(m)
+            print(build_notice(m, path, why="--rebuild"), flush=True)
+            build(m, path)
+            print(f"shipped {task}: {ship(task, path)}", flush=True)
+    for task in args.ship or []:
+        print(f"shipped {task}: {ship(task, cache_path(default_model_config(task)))}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))
