@@ -108,3 +108,46 @@ def test_rebuilding_with_the_recipe_reproduces_the_record(tmp_path):
         assert rebuilt["accuracy"] == shipped["accuracy"]
     else:
         assert abs(rebuilt["accuracy"] - shipped["accuracy"]) <= REBUILD_TOLERANCE
+
+
+MAIN_JOB_TOLERANCE = 0.01  # held-out accuracy (n=200) across kernel sets: 2 questions
+
+
+@pytest.mark.slow  # two 10-step MASS runs with two 200-question evals each: ~40 s each
+def test_the_main_jobs_figures_agree_across_cpu_kernel_sets(tmp_path, subprocess_env):
+    """The main job's algorithm on the shipped default, cold cache, under each kernel set this machine has:
+    the step-0 and the final held-out accuracy agree within MAIN_JOB_TOLERANCE (measured over the full
+    60-step main job on 2 ranks: equal, losses within 1e-8; docs/default_model.md)."""
+    seen = {}
+    for capability in _capabilities():
+        env = dict(subprocess_env, POSTTRAIN_CACHE=str(tmp_path / f"cache-{capability}"))
+        if capability != "default":
+            env["ATEN_CPU_CAPABILITY"] = capability
+        out = tmp_path / f"out-{capability}"
+        proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "+algo=mass", f"output_dir={out}",
+                               "trainer.max_steps=10", "trainer.eval_every=10", "logging.wandb=false",
+                               "logging.progress=false"], env=env, capture_output=True, text=True, timeout=600,
+                              cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "installed the shipped default model for arith" in proc.stdout
+        evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        seen[capability] = [(r["step"], r["accuracy"]) for r in evals if r["split"] == "eval"]
+    first = seen["default"]
+    assert [s for s, _ in first] == [0, 10]
+    for capability, figures in seen.items():
+        assert [s for s, _ in figures] == [0, 10], capability
+        assert all(abs(a - b) <= MAIN_JOB_TOLERANCE for (_, a), (_, b) in zip(figures, first)), seen
+
+
+def test_the_docs_table_lists_every_shipped_entry_with_its_record():
+    rows = {}
+    for line in (ROOT / "docs" / "default_model.md").read_text().split("## What ships")[1].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = cells
+    assert sorted(rows) == SHIPPED
+    for task, (_, accuracy, built_on, seconds) in rows.items():
+        record = read_record(os.path.join(SHIPPED_DIR, task))
+        assert float(accuracy) == record["accuracy"], task
+        assert built_on == f"{record['built_on']['cpu_capability']}, torch {record['built_on']['torch']}", task
+        assert seconds == f"{record['seconds']:.0f} s", task
