@@ -42,7 +42,7 @@ def cpu_capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
-def run_one(algo: str) -> dict:
+def run_one(algo: str, note: str = "") -> dict:
     with tempfile.TemporaryDirectory(prefix=f"cold-{algo}-") as tmp:
         env = dict(os.environ, POSTTRAIN_CACHE=os.path.join(tmp, "cache"), WANDB_MODE="disabled")
         cmd = ["torchrun", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"), f"+algo={algo}",
@@ -60,7 +60,7 @@ def run_one(algo: str) -> dict:
     summary = [line for line in lines if line.startswith("held-out accuracy")]
     return {"algo": algo, "seconds": round(seconds, 1), "exit_code": code, "default_model": model,
             "summary": summary[-1] if summary else None, "tail": lines[-5:] if code else [],
-            "command": f"torchrun --standalone --nproc_per_node=2 train.py +algo={algo}",
+            "command": f"torchrun --standalone --nproc_per_node=2 train.py +algo={algo}", "note": note,
             "machine": {"cores": os.cpu_count(), "cpu_capability": cpu_capability(), "python": platform.python_version(),
                         "date": time.strftime("%Y-%m-%d")}}
 
@@ -77,6 +77,8 @@ def render() -> None:
         verdict = "yes" if r["exit_code"] == 0 and r["seconds"] <= LIMIT_S else "**no**"
         model = "; ".join(r["default_model"]) or "-"
         status = "done" if r["exit_code"] == 0 else f"exit code {r['exit_code']}"
+        if r.get("note"):
+            status += f"; {r['note']}"
         rows.append(f"| `{algo}` | {minutes:.1f} min ({status}) | {verdict} | {model} | {r['summary'] or '-'} |")
     machines = sorted({json.dumps(json.loads(p.read_text())["machine"], sort_keys=True) for p in RESULTS.glob("*.json")})
     text = ("# First runs, cold\n\n"
@@ -96,6 +98,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--algos", default=",".join(ALGOS))
     parser.add_argument("--render", action="store_true", help="only rewrite docs/cold_runs.md")
+    parser.add_argument("--note", default="", help="recorded with each run, e.g. what else used the cores "
+                                                   "(such a figure is an upper bound)")
     args = parser.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
     if not args.render:
@@ -107,7 +111,7 @@ def main(argv: list[str]) -> int:
                 print(f"{algo}: measured already ({path}); delete it to remeasure", flush=True)
                 continue
             print(f"{algo}: running cold ...", flush=True)
-            result = run_one(algo)
+            result = run_one(algo, args.note)
             tmp = path.with_suffix(".json.tmp")
             tmp.write_text(json.dumps(result, indent=1) + "\n")
             os.replace(tmp, path)  # a finished run only
