@@ -65,6 +65,17 @@ def run_one(algo: str, note: str = "") -> dict:
                         "date": time.strftime("%Y-%m-%d")}}
 
 
+def _short(line: str) -> str:
+    """A default-model line without its cache path: what was installed or built, for which task."""
+    import re
+
+    if m := re.match(r"installed the shipped default model for (\w+) in \S+ \(.*accuracy ([0-9.]+)\)", line):
+        return f"shipped {m.group(1)} installed (held-out {m.group(2)})"
+    if m := re.match(r"building the warm-started tiny model for (\w+) in \S+, once: (.*)", line):
+        return f"built {m.group(1)} on first use ({m.group(2)})"
+    return line
+
+
 def render() -> None:
     rows = []
     for algo in ALGOS:
@@ -75,7 +86,7 @@ def render() -> None:
         r = json.loads(path.read_text())
         minutes = r["seconds"] / 60
         verdict = "yes" if r["exit_code"] == 0 and r["seconds"] <= LIMIT_S else "**no**"
-        model = "; ".join(r["default_model"]) or "-"
+        model = "; ".join(_short(line) for line in r["default_model"]) or "-"
         status = "done" if r["exit_code"] == 0 else f"exit code {r['exit_code']}"
         if r.get("note"):
             status += f"; {r['note']}"
