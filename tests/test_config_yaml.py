@@ -49,8 +49,11 @@ ALGO_OVERRIDES = {
     # skipper: measured on the tiny default (routers + adapters only): 3e-3 tracks the skip target with
     # a lower KL than 1e-3 in 100 steps; 1e-2 overshoots.
     "skipper": {"trainer.lr": 3e-3},
-    # attuner: q_proj LoRA only, measured on the tiny model (docs/attuner.md).
-    "attuner": {"trainer.lr": 5e-3},
+    # attuner: q_proj LoRA only, measured on the tiny model (docs/attuner.md); its own task (configs/algo/
+    # attuner.yaml selects data=artifacts), so the warm start is the artifacts recipe (plain SFT, 3000 steps).
+    "attuner": {"data.name": "artifacts", "data.kinds.single": 1.0, "data.kinds.select": 1.0, "data.kinds.combine": 1.0,
+                "model.warm_start_task": "artifacts", "model.warm_start_steps": 3000, "model.warm_start_batch_size": 32,
+                "model.warm_start_reference_fraction": 0.0, "trainer.lr": 5e-3},
     # clm: its own task (configs/algo/clm.yaml selects data=clm), so the warm start is the clm recipe
     # (SFT on the scripted calls); lr 1e-4 (0.17 -> 0.15 held-out in 40 steps, 3e-5 0.13, 5e-4 collapsed:
     # docs/clm.md), 4 tasks x 8 episodes per step, per-call completions that hold the longest scripted output.
