@@ -69,6 +69,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from trainer.activations.manager import _storage_ptr as _ptr, _tensors_in as _tensors
 from trainer.activations.planner import FULL, RECOMPUTE, Profile, UnitProfile, _peaks
 
 GIB = 1024 ** 3
@@ -263,25 +264,6 @@ def _fit_list(sizes: Sequence[Sequence[int]]) -> list[Poly]:
     if len({len(s) for s in sizes}) == 1:
         return [_fit(PROFILE_LENGTHS, column) for column in zip(*sizes)]
     return [_fit(PROFILE_LENGTHS, [sum(s) for s in sizes])]
-
-
-def _ptr(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except Exception:
-        return -1
-
-
-def _tensors(obj: Any, out: list) -> list:
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            _tensors(o, out)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            _tensors(o, out)
-    return out
 
 
 def _saved_storages(model: nn.Module, layers: Sequence[nn.Module], length: int, padded: bool, device,
