@@ -74,6 +74,18 @@ def test_sharded_resume_matches_uninterrupted(tmp_path, subprocess_env, single_l
     assert max(abs(a - b) for a, b in zip(losses, single_losses)) < PARITY_TOL, (losses, single_losses)
 
 
+def test_a_rerun_of_a_finished_two_rank_run_trains_nothing_on_either_rank(tmp_path, subprocess_env):
+    """torchrun rerun of a finished DDP run: rank 0 says the run is complete, both ranks leave with exit 0,
+    nothing is appended or written."""
+    out = tmp_path / "run"
+    _losses(out, _train(out, subprocess_env, 2, "backend=ddp"))
+    before = (out / "metrics.jsonl").read_text()
+    again = _train(out, subprocess_env, 2, "backend=ddp")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count(f"is already complete at step {STEPS}") == 1, again.stdout[-3000:]
+    assert "done:" not in again.stdout and (out / "metrics.jsonl").read_text() == before
+
+
 def test_warm_start_built_by_rank0_and_shared(tmp_path, subprocess_env):
     """model=tiny under torchrun: rank 0 builds the cache entry while rank 1 waits, then both load it."""
     out, cache = tmp_path / "run", tmp_path / "cache"
