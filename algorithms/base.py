@@ -2,7 +2,7 @@
 
 An algorithm never touches process groups, optimizers or files. The contract is `Algorithm` below;
 optional capabilities (`ChecksTask`, `GroupedRollouts`, `SharesPrompts`, `ExposesTokens`,
-`EvaluatesDrafter`, `ServesEval`, `Scheduled`, `KnowsZeroLoss`, `ShapesRows`, `KeepsCopies`) are typed protocols resolved once at setup into `Capabilities`, and the config
+`EvaluatesDrafter`, `ServesEval`, `Scheduled`, `KnowsZeroLoss`, `ShapesRows`, `KeepsCopies`, `KeepsRankState`, `WatchesEval`) are typed protocols resolved once at setup into `Capabilities`, and the config
 declares `Traits`. The trainer (trainer/loop.py) calls, per step,
 
     batch = algo.make_batch(examples, ctx)       # no grad: rollouts, teacher passes, rewards
@@ -282,6 +282,25 @@ class KeepsCopies(Protocol):
 
 
 @runtime_checkable
+class KeepsRankState(Protocol):
+    """An algorithm whose state differs per rank (its own random stream, statistics of the examples
+    this rank saw). `state_dict` holds what every rank shares and is written once; the trainer
+    gathers `rank_state_dict` from every rank into the checkpoint and gives each rank its own back."""
+
+    def rank_state_dict(self) -> dict: ...
+
+    def load_rank_state_dict(self, state: dict) -> None: ...
+
+
+@runtime_checkable
+class WatchesEval(Protocol):
+    def after_eval(self, result: dict, model: torch.nn.Module) -> tuple[dict, list[str]]:
+        """Called on every rank after each eval with its `result` (accuracy, teacher_accuracy, ... the
+        same on every rank) and the full-weight model; may update the algorithm's state (e.g. refresh a
+        frozen teacher). Returns values to add to the eval record and warnings (rank 0 prints them)."""
+
+
+@runtime_checkable
 class ChecksRun(Protocol):
     """An algorithm config whose values are checked against the budget and the model's layout."""
 
@@ -305,6 +324,9 @@ class Capabilities:
     zero_loss: Optional[Callable[[Batch], bool]] = None
     row_shape: Optional[Callable[[], RowShape]] = None
     weight_copies: Optional[Callable[[Any], int]] = None
+    rank_state: Optional[Callable[[], dict]] = None
+    load_rank_state: Optional[Callable[[dict], None]] = None
+    after_eval: Optional[Callable[..., tuple[dict, list[str]]]] = None
 
 
 def capabilities(algo: Any) -> Capabilities:
@@ -327,6 +349,9 @@ def capabilities(algo: Any) -> Capabilities:
         zero_loss=algo.zero_loss if isinstance(algo, KnowsZeroLoss) else None,
         row_shape=algo.row_shape if isinstance(algo, ShapesRows) else None,
         weight_copies=algo.weight_copies if isinstance(algo, KeepsCopies) else None,
+        rank_state=algo.rank_state_dict if isinstance(algo, KeepsRankState) else None,
+        load_rank_state=algo.load_rank_state_dict if isinstance(algo, KeepsRankState) else None,
+        after_eval=algo.after_eval if isinstance(algo, WatchesEval) else None,
     )
 
 

@@ -96,14 +96,27 @@ def view_disagreement(view_logp: Tensor) -> Tensor:
     return torch.stack(pairs).mean(0)
 
 
-def correction_mass(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
-    """How much the teacher corrects the student: the probability its top token has under the teacher
-    minus under the student, `p_T(v*) - p_S(v*)` with v* = argmax p_T, per token. Positive where the
-    student under-weights what the teacher prefers; zero or negative where they agree or where the
-    teacher is merely less sure than the student (a broad teacher would only add entropy there).
-    (..., V) -> (...,). Example: teacher [0.7, 0.3], student [0.4, 0.6] -> 0.7 - 0.4 = 0.3."""
+def top_gap(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
+    """The probability the teacher's top token has under the teacher minus under the student,
+    `p_T(v*) - p_S(v*)` with v* = argmax p_T, per token. (..., V) -> (...,).
+    Example: teacher [0.7, 0.3], student [0.4, 0.6] -> 0.7 - 0.4 = 0.3."""
     top = teacher_logp.argmax(-1, keepdim=True)
     return (teacher_logp.gather(-1, top).exp() - student_logp.gather(-1, top).exp()).squeeze(-1)
+
+
+def correction_mass(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
+    """How much the teacher corrects the student: the teacher's excess mass on the tokens the student
+    under-weights, `sum_v max(0, p_T(v) - p_S(v))` (the total-variation distance), per token. 0 where
+    they agree; a broad teacher over a confident student scores too, a correction being any mass the
+    teacher would move. (..., V) -> (...,).
+    Example: teacher [0.7, 0.2, 0.1], student [0.4, 0.5, 0.1] -> 0.3."""
+    return (teacher_logp.exp() - student_logp.exp()).clamp(min=0).sum(-1)
+
+
+def view_support(view_logp: Tensor, top: Tensor) -> Tensor:
+    """Share of the K views whose own top token is `top` (the aggregate's). view_logp (K, ..., V),
+    top (...,) -> (...,). Example: views with tops [3, 3, 5, 3] and top 3 -> 0.75."""
+    return (view_logp.argmax(-1) == top.unsqueeze(0)).float().mean(0)
 
 
 def teacher_top_k(student_logp: Tensor, teacher_logp: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -231,13 +244,14 @@ def self_distill_diagnostics(student_in: Tensor, student_head: Optional[Head], t
                              chunk: int = 512) -> dict[str, Tensor]:
     """No-grad per-token statistics of K teacher views against the student, chunked over tokens.
 
-    Returns (N,) tensors `disagreement` (mean pairwise JSD of the views), `correction` (teacher mass
-    the student under-weights), `divergence` (JSD(1/2) student vs aggregate), `teacher_top` (the
-    aggregate's top token), and (K, N) `view_shift` (JSD(1/2) of each view against the aggregate: how
-    much that view's masking moved it).
+    Returns (N,) tensors `disagreement` (mean pairwise JSD of the views), `correction` (teacher's
+    excess mass on the tokens the student under-weights, `correction_mass`), `top_gap` (`top_gap`),
+    `support` (share of views whose top is the aggregate's), `divergence` (JSD(1/2) student vs
+    aggregate), `teacher_top` (the aggregate's top token), and (K, N) `view_shift` (JSD(1/2) of each
+    view against the aggregate: how much that view's masking moved it).
     """
-    parts: dict[str, list[Tensor]] = {"disagreement": [], "correction": [], "divergence": [], "teacher_top": [],
-                                      "view_shift": []}
+    parts: dict[str, list[Tensor]] = {"disagreement": [], "correction": [], "top_gap": [], "support": [],
+                                      "divergence": [], "teacher_top": [], "view_shift": []}
     for start in range(0, teacher_hidden.shape[0], chunk):
         sl = slice(start, start + chunk)
         student_logp = head_logp(student_in[sl], student_head, temperature)  # (n, V)
@@ -245,13 +259,16 @@ def self_distill_diagnostics(student_in: Tensor, student_head: Optional[Head], t
         teacher_logp = aggregate_views(views, aggregate)
         parts["disagreement"].append(view_disagreement(views))
         parts["correction"].append(correction_mass(student_logp, teacher_logp))
+        parts["top_gap"].append(top_gap(student_logp, teacher_logp))
+        top = teacher_logp.argmax(-1)
+        parts["support"].append(view_support(views, top))
         parts["divergence"].append(generalized_jsd(student_logp, teacher_logp, 0.5))
-        parts["teacher_top"].append(teacher_logp.argmax(-1))
+        parts["teacher_top"].append(top)
         parts["view_shift"].append(generalized_jsd(views, teacher_logp.unsqueeze(0).expand_as(views), 0.5))
     k = teacher_hidden.shape[1]
     if not parts["disagreement"]:
         z = teacher_hidden.new_zeros(0, dtype=torch.float32)
-        return {"disagreement": z, "correction": z, "divergence": z, "teacher_top": z.long(),
+        return {"disagreement": z, "correction": z, "top_gap": z, "support": z, "divergence": z, "teacher_top": z.long(),
                 "view_shift": z.new_zeros(k, 0)}
     return {name: torch.cat(v, dim=-1) for name, v in parts.items()}
 

@@ -45,9 +45,8 @@ from algorithms import losses
 from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms
 from algorithms.rollouts import encode, encode_prompt, require_references, rollout_batch, rollout_metrics, sample
 from algorithms.scoring import detached_head, predicting, teacher_hidden
-from algorithms.selfdistill import (SelfDistillConfig, check_self_distill_config, chunk_size, distill_loss,
-                                    path_metrics)
-from algorithms.teacher import SelfTeacher
+from algorithms.selfdistill import (SelfDistillConfig, self_teacher, check_self_distill_config, chunk_size, diagnoses_paths,
+                                    distill_loss, path_metrics)
 from models.anatomy import final_hidden
 from models.export import export_model
 from models.lora import train_all_or_lora
@@ -56,6 +55,7 @@ from tasks.base import split_sentences
 
 SPAN_UNITS = ("step", "sentence", "tokens")
 MAX_TRACKED_EXAMPLES = 100_000  # influence scores kept per uid (oldest dropped first)
+MASK_TRIES = 32  # redraws of a view that repeats an earlier one
 
 
 @dataclass
@@ -67,9 +67,10 @@ class MASSConfig(SelfDistillConfig):
     span_tokens: int = 16  # window size for span_unit=tokens
     aggregate: str = "mean"  # mean (of probabilities) | geometric
     gate: bool = True
-    gate_agreement_quantile: float = 0.8  # keep tokens whose view disagreement is at or below this quantile
-    gate_agreement_threshold: float = 0.0  # > 0: an absolute disagreement threshold instead of the quantile
-    gate_margin: float = 0.0  # keep tokens where p_T(v*) - p_S(v*) exceeds this (v* = the teacher's top token)
+    gate_margin: float = 0.05  # keep tokens where the teacher's excess mass over the student exceeds this
+    gate_support: float = 0.5  # ... and at least this share of the views has the aggregate's top token
+    gate_agreement_quantile: float = 1.0  # < 1: also drop tokens whose view disagreement is above this batch quantile
+    gate_agreement_threshold: float = 0.0  # > 0: an absolute view-disagreement limit instead of the quantile
     adaptive_masking: bool = True
     influence_mix: float = 0.5  # weight of softmax(influence) against uniform when drawing masks
     influence_temperature: float = 1.0
@@ -86,6 +87,8 @@ class MASSConfig(SelfDistillConfig):
             raise ValueError(f"algo.span_unit={self.span_unit} is not one of {', '.join(SPAN_UNITS)}")
         if self.aggregate not in ("mean", "geometric"):
             raise ValueError(f"algo.aggregate={self.aggregate} is not one of mean, geometric")
+        if not 0.0 <= self.gate_support <= 1.0:
+            raise ValueError(f"algo.gate_support={self.gate_support} must be in [0, 1]")
         if not 0.0 < self.gate_agreement_quantile <= 1.0:
             raise ValueError(f"algo.gate_agreement_quantile={self.gate_agreement_quantile} must be in (0, 1]")
         if not 0.0 <= self.influence_mix <= 1.0 or self.influence_temperature <= 0:
@@ -104,31 +107,49 @@ def split_spans(reference: str, task: Any, tokenizer: Any, unit: str, span_token
     return [tokenizer.decode(ids[i: i + span_tokens]) for i in range(0, len(ids), span_tokens)]
 
 
-def masked_count(n_spans: int, ratio: float) -> int:
-    """round(ratio x n), at least 1 and at most n - 1 for 0 < ratio < 1 (a view always hides
-    something and shows something); 0 for ratio 0, n for ratio 1."""
-    if ratio <= 0 or n_spans == 0:
-        return 0
-    if ratio >= 1:
-        return n_spans
-    return min(max(round(ratio * n_spans), 1), n_spans - 1)
+def mask_rates(probs: Sequence[float], ratio: float) -> list[float]:
+    """Per-span masking probabilities with mean `ratio` that follow the span distribution `probs`:
+    `min(1, ratio x n x probs[j])` (uniform probs give `ratio` for every span)."""
+    n = len(probs)
+    return [min(1.0, ratio * n * p) for p in probs]
 
 
-def draw_mask(rng: random.Random, probs: Sequence[float], count: int) -> list[bool]:
-    """`count` distinct spans drawn without replacement with probabilities `probs`."""
-    chosen: set[int] = set()
-    weights = list(probs)
-    for _ in range(count):
-        total = sum(weights)
-        pick, acc, u = len(weights) - 1, 0.0, rng.random() * total
-        for j, w in enumerate(weights):
-            acc += w
-            if u < acc:
-                pick = j
+def draw_views(rng: random.Random, rates: Sequence[float], k: int, tries: int = MASK_TRIES) -> list[list[bool]]:
+    """`k` masks, span j hidden with probability `rates[j]` (a Bernoulli draw per span, so a view may
+    hide nothing: the whole reference is a view too), each distinct from the ones before it where
+    possible (a duplicate is redrawn up to `tries` times, then kept: with fewer possible masks than
+    `k`, or rates of 0 and 1, views must repeat)."""
+    views: list[list[bool]] = []
+    seen: set[tuple[bool, ...]] = set()
+    for _ in range(k):
+        for _ in range(tries):
+            mask = tuple(rng.random() < r for r in rates)
+            if mask not in seen:
                 break
-        chosen.add(pick)
-        weights[pick] = 0.0
-    return [j in chosen for j in range(len(probs))]
+        seen.add(mask)
+        views.append(list(mask))
+    return views
+
+
+def gate_tokens(stats: dict[str, torch.Tensor], cfg: MASSConfig) -> torch.Tensor:
+    """The selective-transfer gate over N completion tokens, from `losses.self_distill_diagnostics`.
+
+    Keep a token where the aggregated teacher corrects the student -- its excess mass on the tokens
+    the student under-weights is above `gate_margin` -- and the views back that correction -- at least
+    `gate_support` of them have the aggregate's top token, so a top that only some views reach (the
+    others having lost the information with their masked spans) is dropped. Optionally also drop the
+    tokens whose mean pairwise view disagreement is above the batch's `gate_agreement_quantile` (or above
+    `gate_agreement_threshold` when > 0). Returns (N,) bool.
+    """
+    keep = stats["correction"] > cfg.gate_margin
+    if cfg.gate_support > 0:
+        keep &= stats["support"] >= cfg.gate_support - 1e-6
+    agree = stats["disagreement"]
+    if cfg.gate_agreement_threshold > 0:
+        keep &= agree <= cfg.gate_agreement_threshold
+    elif cfg.gate_agreement_quantile < 1.0 and agree.numel():
+        keep &= agree <= torch.quantile(agree, cfg.gate_agreement_quantile)
+    return keep
 
 
 class InfluenceTracker:
@@ -144,13 +165,21 @@ class InfluenceTracker:
         return min(int(j / n * self.buckets), self.buckets - 1)
 
     def scores(self, uid: str, n: int) -> Optional[list[float]]:
+        """The spans' scores for `uid`: its own estimate where a view has masked the span, else the
+        position prior, else (neither known) the mean of the others, so it neither draws nor repels
+        masks; None when nothing is known (masks are then drawn uniformly)."""
         known = self.by_uid.get(uid)
-        if known is not None and len(known) == n:
-            return known
+        own = known if known is not None and len(known) == n else [None] * n
         prior = [self.prior[self.bucket(j, n)] if self.prior_seen[self.bucket(j, n)] else None for j in range(n)]
-        return None if any(p is None for p in prior) else prior
+        out = [o if o is not None else p for o, p in zip(own, prior)]
+        have = [v for v in out if v is not None]
+        if not have:
+            return None
+        fill = sum(have) / len(have)
+        return [fill if v is None else v for v in out]
 
     def update(self, uid: str, estimate: list[Optional[float]]) -> None:
+        """Fold one step's estimates in (None: no view masked that span; its score stays unknown or old)."""
         n = len(estimate)
         old = self.by_uid.pop(uid, None)
         new = []
@@ -169,7 +198,7 @@ class InfluenceTracker:
         return {"by_uid": list(self.by_uid.items()), "prior": self.prior, "prior_seen": self.prior_seen}
 
     def load_state_dict(self, state: dict) -> None:
-        self.by_uid = OrderedDict(state["by_uid"])
+        self.by_uid = OrderedDict((uid, list(v)) for uid, v in state["by_uid"])
         self.prior, self.prior_seen = list(state["prior"]), list(state["prior_seen"])
 
 
@@ -189,7 +218,7 @@ def span_influence(masks: list[list[bool]], view_shift: list[float]) -> list[Opt
     n = len(masks[0]) if masks else 0
     sums, counts = [0.0] * n, [0] * n
     for mask, shift in zip(masks, view_shift):
-        hidden = sum(mask)
+        hidden = sum(mask)  # a view that hid nothing moved the teacher by no span
         for j, m in enumerate(mask):
             if m:
                 sums[j] += shift / hidden
@@ -202,8 +231,8 @@ class MASS:
 
     def __init__(self, cfg: MASSConfig):
         self.cfg = cfg
-        self.rng = random.Random(cfg.seed)
-        self.teacher = SelfTeacher(cfg.teacher, cfg.ema_decay)
+        self.rng: Optional[random.Random] = None  # this rank's mask stream, seeded at the first batch
+        self.teacher = self_teacher(cfg)
         self.influence = InfluenceTracker(cfg.influence_decay, cfg.position_buckets)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -216,36 +245,48 @@ class MASS:
     def check_task(self, task: Any) -> None:
         require_references(task.train_examples(), self.name)
 
-    def views(self, ex: Any, task: Any, tokenizer: Any) -> tuple[list[str], list[list[bool]], float]:
+    def mask_stream(self, rank: int) -> random.Random:
+        """This rank's mask generator: seeded from (`seed`, rank), so ranks draw different masks."""
+        if self.rng is None:
+            self.rng = random.Random(f"mass-masks:{self.cfg.seed}:{rank}")
+        return self.rng
+
+    def views(self, ex: Any, task: Any, tokenizer: Any, rank: int = 0) -> tuple[list[str], list[list[bool]], float]:
         """K masked references for one example, their masks, and how focused the mask distribution is
         (max probability x spans: 1 = uniform)."""
         c = self.cfg
         spans = split_spans(ex.solution, task, tokenizer, c.span_unit, c.span_tokens)
-        count = masked_count(len(spans), c.mask_ratio)
         scores = self.influence.scores(ex.uid, len(spans)) if c.adaptive_masking else None
         probs = mask_probs(scores, len(spans), c.influence_mix, c.influence_temperature)
-        masks = [draw_mask(self.rng, probs, count) for _ in range(c.num_views)]
+        masks = draw_views(self.mask_stream(rank), mask_rates(probs, c.mask_ratio), c.num_views)
         return [mask_spans(spans, m, task.mask_token) for m in masks], masks, max(probs, default=1.0) * len(spans)
 
     def make_batch(self, examples: Sequence[Any], ctx: RolloutContext) -> Batch:
         c, tok, task = self.cfg, ctx.tokenizer, ctx.task
+        rank = ctx.world.rank if ctx.world is not None else 0
         prompts = [encode_prompt(tok, task.prompt(ex)) for ex in examples]
         completions = sample(ctx, prompts, c.temperature, c.top_p)
         batch = rollout_batch(prompts, completions, tok.pad_token_id, ctx.device, [ex.uid for ex in examples])
-        references, masks, focus = zip(*(self.views(ex, task, tok) for ex in examples))
+        references, masks, focus = zip(*(self.views(ex, task, tok, rank) for ex in examples))
         views = [[encode_prompt(tok, task.teacher_prompt(ex, r)) for r in refs] for ex, refs in zip(examples, references)]
-        diagnose = c.path_diagnostics and hasattr(task, "solution_path")
+        diagnose = diagnoses_paths(c, task)
         tokens, starts, width = [x.tokens for x in completions], [len(p) for p in prompts], batch.input_ids.shape[1]
+        uids = [ex.uid for ex in examples]
         with self.teacher.weights(ctx.policy) as teacher:
-            hidden = teacher_hidden(teacher, views, tokens, starts, width, c.teacher_batch_size, ctx.device)  # (B, T, K, H)
+            hidden = teacher_hidden(teacher, views, tokens, starts, width, c.teacher_batch_size, ctx.device,
+                                    uids)  # (B, T, K, H)
             batch.teacher = TeacherTerms(hidden, detached_head(teacher))
             if diagnose:  # the full-reference teacher (OPSD's), for comparison only: not in the loss
                 full = teacher_hidden(teacher, [[encode_prompt(tok, task.teacher_prompt(ex, ex.solution))] for ex in examples],
-                                      tokens, starts, width, c.teacher_batch_size, ctx.device)
+                                      tokens, starts, width, c.teacher_batch_size, ctx.device, uids)
         batch.metrics, _ = rollout_metrics(task, tok, examples, completions, "rollout")
         kept, views_top = (self._gate_and_influence(batch, examples, list(masks), ctx) if c.gate or c.adaptive_masking
                            else (None, None))
         batch.metrics["mass/mask_focus"] = torch.tensor(sum(focus) / len(focus))
+        batch.metrics["mass/masked_share"] = torch.tensor(
+            sum(sum(m) for row in masks for m in row) / max(sum(len(m) for row in masks for m in row), 1))
+        batch.metrics["mass/distinct_views"] = torch.tensor(
+            sum(len({tuple(m) for m in row}) for row in masks) / (len(masks) * c.num_views))
         if diagnose:
             sel, head = batch.loss_mask.bool(), batch.teacher.head
             chunk = chunk_size(c, head, batch)
@@ -271,17 +312,21 @@ class MASS:
             student, detached_head(ctx.policy), batch.teacher.hidden[sel], batch.teacher.head,
             temperature=c.temperature, aggregate=c.aggregate, chunk=chunk_size(c, batch.teacher.head, batch))
         n = max(int(sel.sum()), 1)
+        # correction tokens: the aggregated teacher would change the student's choice (its top is not the
+        # sampled token, and the student gives that top less than the teacher does)
+        corrects = (stats["teacher_top"] != batch.input_ids[sel]) & (stats["top_gap"] > 0)
         batch.metrics.update({"mass/view_disagreement": stats["disagreement"].sum() / n,
                               "mass/correction": stats["correction"].sum() / n,
+                              "mass/correction_tokens": corrects.float().sum() / n,
                               "mass/teacher_student_jsd": stats["divergence"].sum() / n})
         if c.gate and stats["disagreement"].numel():
-            agree = stats["disagreement"]
-            limit = c.gate_agreement_threshold or torch.quantile(agree, c.gate_agreement_quantile)
-            keep = (agree <= limit) & (stats["correction"] > c.gate_margin)
+            keep = gate_tokens(stats, c)
             weights = torch.zeros(sel.shape, dtype=torch.float32, device=sel.device)
             weights[sel] = keep.float()
             batch.token_weights = weights
             batch.metrics["mass/kept_fraction"] = keep.float().mean()
+            if corrects.any():  # a rank without correction tokens leaves the metric out (averaged over those that have)
+                batch.metrics["mass/kept_correction_fraction"] = keep[corrects].float().mean()
         else:
             keep = None
         if c.adaptive_masking:
@@ -293,6 +338,10 @@ class MASS:
                     self.influence.update(ex.uid, span_influence(masks[b], shift))
         return keep, stats["teacher_top"]
 
+    def after_eval(self, result: dict, model: nn.Module) -> tuple[dict, list[str]]:
+        """The teacher's drift and refresh gate at each eval (algorithms/teacher.py)."""
+        return self.teacher.after_eval(result, model)
+
     def loss(self, model: nn.Module, micro: Batch, normaliser: torch.Tensor) -> StepOutput:
         return distill_loss(model, micro, normaliser, self.cfg, prefix=self.name)
 
@@ -300,10 +349,20 @@ class MASS:
         export_model(model, tokenizer, out_dir, self.name)
 
     def state_dict(self) -> dict:
-        return {"rng": self.rng.getstate(), "teacher": self.teacher.state_dict(),
-                "influence": self.influence.state_dict()}
+        """What every rank shares: the teacher's weights (rank 0 writes it)."""
+        return {"teacher": self.teacher.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.rng.setstate(state["rng"])
         self.teacher.load_state_dict(state["teacher"])
+
+    def rank_state_dict(self) -> dict:
+        """This rank's own: its mask stream and the influence scores of the examples it saw."""
+        return {"rng": None if self.rng is None else self.rng.getstate(), "influence": self.influence.state_dict()}
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        if state["rng"] is None:
+            self.rng = None
+        else:
+            self.rng = random.Random()
+            self.rng.setstate(state["rng"])
         self.influence.load_state_dict(state["influence"])

@@ -34,8 +34,8 @@ from torch import nn
 from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms
 from algorithms.rollouts import encode_prompt, require_references, rollout_batch, rollout_metrics, sample
 from algorithms.scoring import detached_head, teacher_hidden
-from algorithms.selfdistill import SelfDistillConfig, distill_loss, path_metrics, reference_teacher_tops
-from algorithms.teacher import SelfTeacher
+from algorithms.selfdistill import (SelfDistillConfig, self_teacher, diagnoses_paths, distill_loss, path_metrics,
+                                    reference_teacher_tops)
 from models.export import export_model
 from models.lora import train_all_or_lora
 
@@ -50,7 +50,7 @@ class OPSD:
 
     def __init__(self, cfg: OPSDConfig):
         self.cfg = cfg
-        self.teacher = SelfTeacher(cfg.teacher, cfg.ema_decay)
+        self.teacher = self_teacher(cfg)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         return train_all_or_lora(model, self.cfg)
@@ -70,13 +70,17 @@ class OPSD:
         views = [[encode_prompt(tok, task.teacher_prompt(ex, ex.solution))] for ex in examples]
         with self.teacher.weights(ctx.policy) as teacher:
             hidden = teacher_hidden(teacher, views, [c.tokens for c in completions], [len(p) for p in prompts],
-                                    batch.input_ids.shape[1], self.cfg.teacher_batch_size, ctx.device)
+                                    batch.input_ids.shape[1], self.cfg.teacher_batch_size, ctx.device, batch.uids)
             batch.teacher = TeacherTerms(hidden, detached_head(teacher))
         batch.metrics, _ = rollout_metrics(task, tok, examples, completions, "rollout")
-        if self.cfg.path_diagnostics and hasattr(task, "solution_path"):
+        if diagnoses_paths(self.cfg, task):
             batch.metrics.update(path_metrics(task, tok, examples, [c.tokens for c in completions], batch,
                                               reference_teacher_tops(batch, self.cfg)))
         return batch
+
+    def after_eval(self, result: dict, model: nn.Module) -> tuple[dict, list[str]]:
+        """The teacher's drift and refresh gate at each eval (algorithms/teacher.py)."""
+        return self.teacher.after_eval(result, model)
 
     def loss(self, model: nn.Module, micro: Batch, normaliser: torch.Tensor) -> StepOutput:
         return distill_loss(model, micro, normaliser, self.cfg, prefix=self.name)

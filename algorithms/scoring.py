@@ -33,15 +33,19 @@ def predicting(states: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def teacher_hidden(teacher: nn.Module, views: list[list[list[int]]], completions: list[list[int]],
-                   starts: list[int], width: int, rows_per_pass: int, device: torch.device) -> torch.Tensor:
+                   starts: list[int], width: int, rows_per_pass: int, device: torch.device,
+                   uids: Optional[list[str]] = None) -> torch.Tensor:
     """Final hidden states of the teacher over each row's completion, under K prompts per row.
 
     views[b][k]: the k-th teacher prompt of row b; completions[b]: its completion tokens, which sit
     at student positions starts[b] + j. Returns (B, width, K, H) aligned with the student row:
     [b, starts[b] + j, k] is the hidden state that predicts completion token j under prompt k.
-    The teacher prompt is used whole, however long (it is never cut to the student's length).
+    The teacher prompt is used whole, however long (it is never cut to the student's length); a
+    teacher row (prompt + completion) longer than the model's positions is a ValueError naming the
+    example (`uids[b]`), not a silent read past the positions the model was built for.
     """
     flat = [(b, k, prompt) for b, row in enumerate(views) for k, prompt in enumerate(row)]
+    check_teacher_rows(teacher, flat, completions, uids)
     k_views = len(views[0])
     out: Optional[torch.Tensor] = None
     for start in range(0, len(flat), rows_per_pass):
@@ -55,6 +59,20 @@ def teacher_hidden(teacher: nn.Module, views: list[list[list[int]]], completions
             out[b, starts[b]: starts[b] + n, k] = hidden[i, len(prompt) - 1: len(prompt) - 1 + n]
     assert out is not None
     return out
+
+
+def check_teacher_rows(teacher: nn.Module, flat: list[tuple[int, int, list[int]]], completions: list[list[int]],
+                       uids: Optional[list[str]]) -> None:
+    positions = getattr(getattr(teacher, "config", None), "max_position_embeddings", None)
+    if not isinstance(positions, int) or positions <= 0:
+        return
+    for b, _, prompt in flat:
+        length = len(prompt) + len(completions[b])
+        if length > positions:
+            who = f"example {uids[b]}" if uids is not None else f"row {b}"
+            raise ValueError(f"teacher row of {who}: {len(prompt)} teacher-prompt + {len(completions[b])} completion "
+                             f"tokens = {length} > the model's {positions} positions (lower trainer.max_new_tokens "
+                             "or data.max_length)")
 
 
 def scatter_tokens(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:

@@ -18,10 +18,11 @@ from torch import nn
 from algorithms import losses
 from algorithms.base import Batch, StepOutput, Traits
 from algorithms.scoring import scatter_tokens, student_features
+from algorithms.teacher import SelfTeacher
 from models.anatomy import Head
 from models.lora import LoRAOptions
 
-TEACHER_MODES = ("current", "fixed", "ema")
+TEACHER_MODES = ("fixed", "refresh", "ema", "current")
 DIVERGENCES = ("full", "sampled")
 
 
@@ -33,8 +34,10 @@ class SelfDistillConfig(LoRAOptions):
 
     temperature: float = 1.1  # rollout sampling temperature; the divergence uses logits / temperature too
     top_p: float = 0.95
-    teacher: str = "current"  # current | fixed | ema
+    teacher: str = "fixed"  # fixed (frozen step-0 weights) | refresh | ema | current
     ema_decay: float = 0.999
+    teacher_refresh_margin: float = 0.02  # refresh: held-out accuracy gain since the last refresh that swaps the teacher
+    teacher_warn_drop: float = 0.05  # warn when the teacher-prompt accuracy falls this far below its first eval
     beta: float = 0.5  # generalized JSD mixture: 0 forward KL(teacher||student), 1 reverse KL
     divergence: str = "full"  # full (JSD over the vocabulary) | sampled (sampled-token form)
     token_clip: float = 0.0  # > 0: per-token hard clip of the divergence (clipped tokens get no gradient)
@@ -42,7 +45,7 @@ class SelfDistillConfig(LoRAOptions):
     loss_chunk_tokens: int = 0  # tokens per logits chunk in the loss; 0 = from the vocabulary size (~256 MiB of logits)
     teacher_batch_size: int = 32  # rows per no-grad teacher forward
     # log paths/* (on / off the reference's solution path) when the task has several valid paths
-    # (`solution_path`, e.g. data=multipath); MASS pays one extra teacher pass per row for it
+    # (`several_paths`, e.g. data=multipath; never on arith); MASS pays one extra teacher pass per row for it
     path_diagnostics: bool = True
     seed: int = 0
 
@@ -62,12 +65,19 @@ def check_self_distill_config(cfg: Any) -> None:
         raise ValueError(f"algo.temperature={cfg.temperature} must be > 0 (on-policy rollouts sample)")
     if not 0.0 < cfg.top_p <= 1.0:
         raise ValueError(f"algo.top_p={cfg.top_p} must be in (0, 1]")
+    if cfg.teacher_refresh_margin < 0 or cfg.teacher_warn_drop < 0:
+        raise ValueError("algo.teacher_refresh_margin and algo.teacher_warn_drop must be >= 0")
     if not 0.0 <= cfg.ema_decay < 1.0:
         raise ValueError(f"algo.ema_decay={cfg.ema_decay} must be in [0, 1)")
     if cfg.teacher_batch_size <= 0:
         raise ValueError(f"algo.teacher_batch_size={cfg.teacher_batch_size} must be > 0")
     if cfg.lora_rank < 0 or cfg.loss_chunk_tokens < 0 or cfg.teacher_top_k < 0 or cfg.token_clip < 0:
         raise ValueError("algo.lora_rank, algo.loss_chunk_tokens, algo.teacher_top_k and algo.token_clip must be >= 0")
+
+
+def self_teacher(cfg: Any) -> SelfTeacher:
+    """The teacher weights the config asks for (`teacher`, `ema_decay`, `teacher_refresh_margin`, `teacher_warn_drop`)."""
+    return SelfTeacher(cfg.teacher, cfg.ema_decay, cfg.teacher_refresh_margin, cfg.teacher_warn_drop)
 
 
 def distill_terms(feats: torch.Tensor, head: Optional[Head], micro: Batch, sel: torch.Tensor, cfg: Any
@@ -117,6 +127,11 @@ def distill_loss(model: nn.Module, micro: Batch, normaliser: torch.Tensor, cfg: 
 
 # ---------------------------------------------------------------------------------------------
 # Path diagnostics: does the teacher follow the student off the reference's path?
+
+
+def diagnoses_paths(cfg: Any, task: Any) -> bool:
+    """`path_diagnostics` on a task with several valid solution paths (`several_paths`, e.g. multipath)."""
+    return bool(cfg.path_diagnostics and getattr(task, "several_paths", False) and hasattr(task, "solution_path"))
 
 
 def on_path_flags(task: Any, tokenizer: Any, tokens: Sequence[int], reference: str) -> list[bool]:

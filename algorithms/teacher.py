@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from typing import Iterator, Optional
 
 import torch
@@ -11,17 +12,34 @@ from torch import nn
 
 
 class SelfTeacher:
-    """The no-grad teacher's weights: `current` (the policy itself), `fixed` (the first step's weights;
-    with LoRA, the policy with adapters disabled) or `ema` (a moving average). Frozen copies are
-    plain modules with requires_grad off, built after the optimizer, so they never enter it."""
+    """The no-grad teacher's weights.
 
-    def __init__(self, mode: str, decay: float):
+    - `fixed`: the first step's weights, frozen (with LoRA, the policy with adapters disabled);
+    - `refresh`: frozen like `fixed`, but replaced by the current weights at an eval where the held-out
+      student accuracy has improved by at least `refresh_margin` since the teacher's weights were taken
+      (never on a clock: a student that got worse never becomes the teacher);
+    - `ema`: an exponential moving average of the policy (decay `decay`);
+    - `current`: the policy itself, stop-grad.
+
+    Frozen copies are plain modules with requires_grad off, built after the optimizer, so they never
+    enter it. At every eval (`after_eval`) the teacher reports its drift from the step-0 weights
+    (relative L2 distance; 0 for `fixed`) and warns when the policy's accuracy under the teacher prompt
+    has fallen more than `warn_drop` below its value at the first eval.
+    """
+
+    def __init__(self, mode: str, decay: float, refresh_margin: float = 0.02, warn_drop: float = 0.05):
         self.mode, self.decay = mode, decay
+        self.refresh_margin, self.warn_drop = refresh_margin, warn_drop
         self.copy: Optional[nn.Module] = None
         self._pending: Optional[dict] = None  # weights restored from a checkpoint before the first step
+        self.origin: Optional[dict[str, torch.Tensor]] = None  # step-0 weights on CPU, for the drift
+        self.baseline: Optional[float] = None  # refresh: held-out student accuracy when the weights were taken
+        self.start_teacher_accuracy: Optional[float] = None  # the first eval's teacher-prompt accuracy
+        self.refreshes = 0
 
     @contextlib.contextmanager
     def weights(self, policy: nn.Module) -> Iterator[nn.Module]:
+        self._keep_origin(policy)
         if self.mode == "current":
             yield policy
         elif self.mode == "fixed" and hasattr(policy, "disable_adapter"):
@@ -32,11 +50,16 @@ class SelfTeacher:
             yield self.copy
 
     def copies(self, policy: nn.Module) -> int:
-        """Full copies of `policy`'s weights this teacher keeps: none for `current` and for `fixed` over
-        LoRA (the adapters are disabled instead), one otherwise."""
-        if self.mode == "current" or (self.mode == "fixed" and hasattr(policy, "disable_adapter")):
-            return 0
-        return 1
+        """Full copies of `policy`'s weights this teacher keeps: the frozen / EMA copy (none for `current`
+        and for `fixed` over LoRA, whose adapters are disabled instead), plus the step-0 weights the drift
+        is measured from where the teacher moves (`current`, `ema`, `refresh`)."""
+        frozen = 0 if self.mode == "current" or (self.mode == "fixed" and hasattr(policy, "disable_adapter")) else 1
+        return frozen + (0 if self.mode == "fixed" else 1)
+
+    @torch.no_grad()
+    def _keep_origin(self, policy: nn.Module) -> None:
+        if self.origin is None and self.mode != "fixed":
+            self.origin = {n: p.detach().float().cpu().clone() for n, p in policy.named_parameters()}
 
     @torch.no_grad()
     def _refresh(self, policy: nn.Module) -> None:
@@ -52,10 +75,55 @@ class SelfTeacher:
             for name, p in self.copy.named_parameters():
                 p.lerp_(live[name].detach().to(p.dtype), 1.0 - self.decay)
 
+    @torch.no_grad()
+    def drift(self, policy: nn.Module) -> float:
+        """||teacher - step-0 weights|| / ||step-0 weights|| over the parameters (0 for `fixed`, and
+        before the first step)."""
+        if self.mode == "fixed" or self.origin is None:
+            return 0.0
+        teacher = policy if self.mode == "current" or self.copy is None else self.copy
+        diff = total = 0.0
+        for name, p in teacher.named_parameters():
+            o = self.origin.get(name)
+            if o is not None:
+                diff += float((p.detach().float().cpu() - o).pow(2).sum())
+                total += float(o.pow(2).sum())
+        return math.sqrt(diff / total) if total > 0 else 0.0
+
+    @torch.no_grad()
+    def after_eval(self, result: dict, policy: nn.Module) -> tuple[dict, list[str]]:
+        """At an eval (`result`: accuracy, teacher_accuracy of the policy): refresh the teacher when its gate
+        passes; return the metrics to log and any warning."""
+        accuracy, notes = result.get("accuracy"), []
+        if self.mode == "refresh" and accuracy is not None:
+            if self.baseline is None:
+                self.baseline = accuracy  # the first eval: the student the frozen teacher was taken from
+            elif accuracy >= self.baseline + self.refresh_margin - 1e-9 and self.copy is not None:
+                self.copy.load_state_dict(policy.state_dict())
+                self.baseline, self.refreshes = accuracy, self.refreshes + 1
+        teacher_accuracy = result.get("teacher_accuracy")
+        if teacher_accuracy is not None:
+            if self.start_teacher_accuracy is None:
+                self.start_teacher_accuracy = teacher_accuracy
+            elif self.start_teacher_accuracy - teacher_accuracy > self.warn_drop:
+                notes.append(f"teacher prompt accuracy {teacher_accuracy:.3f} is {self.start_teacher_accuracy - teacher_accuracy:.3f}"
+                             f" below its first eval ({self.start_teacher_accuracy:.3f}): the model is losing what "
+                             "the teacher reads from the reference (algo.teacher=fixed keeps a frozen teacher; a "
+                             "lower trainer.lr drifts less)")
+        metrics = {"teacher_drift": self.drift(policy)}
+        if self.mode == "refresh":
+            metrics["teacher_refreshes"] = self.refreshes
+        return metrics, notes
+
     def state_dict(self) -> dict:
-        if self.copy is None:
-            return {"weights": self._pending}
-        return {"weights": {k: v.detach().cpu().clone() for k, v in self.copy.state_dict().items()}}
+        weights = self._pending if self.copy is None else {
+            k: v.detach().cpu().clone() for k, v in self.copy.state_dict().items()}
+        return {"weights": weights, "origin": self.origin, "baseline": self.baseline,
+                "start_teacher_accuracy": self.start_teacher_accuracy, "refreshes": self.refreshes}
 
     def load_state_dict(self, state: dict) -> None:
         self._pending, self.copy = state.get("weights"), None
+        self.origin = state.get("origin")
+        self.baseline = state.get("baseline")
+        self.start_teacher_accuracy = state.get("start_teacher_accuracy")
+        self.refreshes = int(state.get("refreshes", 0))

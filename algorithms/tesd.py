@@ -37,8 +37,8 @@ from algorithms import losses
 from algorithms.base import Batch, PolicyTerms, RolloutContext, StepOutput, TeacherTerms, pad_right
 from algorithms.rollouts import completion_mask, encode, encode_prompt, require_references, rollout_batch, sample
 from algorithms.scoring import detached_head, predicting, scatter_tokens, student_features, teacher_hidden
-from algorithms.selfdistill import (SelfDistillConfig, check_self_distill_config, distill_terms, path_metrics,
-                                    reference_teacher_tops)
+from algorithms.selfdistill import (SelfDistillConfig, check_self_distill_config, diagnoses_paths, distill_terms,
+                                    path_metrics, reference_teacher_tops)
 from models.anatomy import final_hidden
 from models.export import export_model
 from models.lora import train_all_or_lora
@@ -52,6 +52,7 @@ REWARD_MODES = ("answer", "steps", "partial")
 @dataclass
 class TESDConfig(SelfDistillConfig):
     name: str = "tesd"
+    teacher: str = "current"  # TESD trains the teacher itself
     teacher_rollouts: int = 4  # G per question, under the privileged prompt
     alpha: float = 0.5  # weight of the teacher-oriented term
     independence_weight: float = 0.5  # lambda
@@ -138,7 +139,8 @@ class TESD:
 
         student = rollout_batch(plain, student_outs, tok.pad_token_id, ctx.device, [ex.uid for ex in examples])
         hidden = teacher_hidden(ctx.policy, [[p] for p in privileged], [o.tokens for o in student_outs],
-                                [len(p) for p in plain], student.input_ids.shape[1], c.teacher_batch_size, ctx.device)
+                                [len(p) for p in plain], student.input_ids.shape[1], c.teacher_batch_size, ctx.device,
+                                student.uids)
         student.teacher = TeacherTerms(hidden, detached_head(ctx.policy))
         student.token_weights = student.loss_mask.float() * trust.to(ctx.device).unsqueeze(1)
         teacher = rollout_batch(teacher_prompts, teacher_outs, tok.pad_token_id, ctx.device,
@@ -147,7 +149,7 @@ class TESD:
         batch = join(student, teacher)
         batch.metrics = {**parts, **_histogram(trust), "tesd/reliability": trust.mean(),
                          "rollout/reward": torch.tensor(self._mean_reward(task, tok, examples, student_outs))}
-        if c.path_diagnostics and hasattr(task, "solution_path"):
+        if diagnoses_paths(c, task):
             batch.metrics.update(path_metrics(task, tok, examples, [o.tokens for o in student_outs], student,
                                               reference_teacher_tops(student, c)))
         return batch

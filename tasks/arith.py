@@ -235,6 +235,8 @@ class ArithTask:
     tiny model's tokenizer alphabet.
     """
 
+    several_paths = False  # one valid order of operations: the path diagnostics have nothing to compare
+
     def __init__(self, seed: int = 0, n_train: int = 20000, n_test: int = 200, digits: int = 3,
                  min_digits: int = 1, steps: int = 2, ops: Sequence[str] = ("+", "-"),
                  prompt_template: str | None = None, teacher_template: str | None = None,

@@ -99,6 +99,8 @@ class MultiPathTask(ArithTask):
     in any order).
     """
 
+    several_paths = True  # a completion may take another valid order than its reference (paths/* metrics)
+
     def __init__(self, seed: int = 0, n_train: int = 20000, n_test: int = 200, digits: int = 2,
                  min_digits: int = 1, steps: int = 2, ops: Sequence[str] = MULTIPATH_OPS,
                  prompt_template: str | None = None, teacher_template: str | None = None,

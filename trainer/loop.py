@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
@@ -256,6 +257,12 @@ def _run_eval(s: Session) -> dict:
         result["teacher_accuracy"] = teacher["accuracy"]
         if "path_differs" in teacher:  # how closely the teacher follows the reference's path
             result["teacher_path_differs"] = teacher["path_differs"]
+    if s.caps.after_eval is not None:  # e.g. the self-teacher's drift and refresh gate
+        extra, notes = s.caps.after_eval(result, model)
+        result.update(extra)
+        if s.world.is_main:
+            for note in notes:
+                print(f"warning: step {s.step}: {note}", file=sys.stderr, flush=True)
     drafter = s.caps.evaluate_drafter
     if drafter is not None and s.world.is_main:  # e.g. SEED: mean tokens per verify forward, greedy
         result.update(drafter(model, s.tokenizer, s.task, examples[:DRAFTER_EVAL_EXAMPLES], t.eval_max_new_tokens))
@@ -268,6 +275,8 @@ def _run_eval(s: Session) -> dict:
 def save(s: Session) -> str:
     state = {"step": s.step, "stream": s.stream.state_dict(), "algo": s.algo.state_dict(),
              "generator": s.world.gather_objects(s.generator.get_state())}  # each rank's rollout stream
+    if s.caps.rank_state is not None:  # e.g. MASS's mask stream and influence scores, one per rank
+        state["algo_rank"] = s.world.gather_objects(s.caps.rank_state())
     return checkpoint.save_checkpoint(s.cfg.output_dir, s.step, s.backend, s.world, state, s.cfg.trainer.keep_last)
 
 
@@ -282,6 +291,11 @@ def resume(s: Session, path: Optional[str]) -> None:
         raise checkpoint.CheckpointError(f"{where}: no rollout generator state")
     mine = generators[s.world.rank] if isinstance(generators, list) else generators
     checkpoint.apply_part(path, checkpoint.STATE_NAME, s.generator.set_state, mine)
+    if s.caps.load_rank_state is not None:
+        per_rank = state.get("algo_rank")
+        if not isinstance(per_rank, list) or len(per_rank) != s.world.size:
+            raise checkpoint.CheckpointError(f"{where}: no per-rank {s.cfg.algo.name} state for {s.world.size} ranks")
+        checkpoint.apply_part(path, checkpoint.STATE_NAME, s.caps.load_rank_state, per_rank[s.world.rank])
     s.tracker.truncate_after(s.step)
 
 

@@ -71,9 +71,18 @@ def test_view_disagreement_and_correction_hand_computed():
     assert math.isclose(losses.view_disagreement(views).item(), 2 * j / 3, rel_tol=1e-12)
     assert losses.view_disagreement(views[:1]).item() == 0.0
     # teacher [0.7, 0.3] vs student [0.4, 0.6]: the teacher's top token is under-weighted by 0.7 - 0.4 = 0.3
-    assert math.isclose(losses.correction_mass(_logp([0.4, 0.6]), _logp([0.7, 0.3])).item(), 0.3, rel_tol=1e-12)
-    # a teacher merely broader than a right, confident student corrects nothing: 0.6 - 0.9 < 0
-    assert math.isclose(losses.correction_mass(_logp([0.9, 0.1]), _logp([0.6, 0.4])).item(), -0.3, rel_tol=1e-12)
+    assert math.isclose(losses.top_gap(_logp([0.4, 0.6]), _logp([0.7, 0.3])).item(), 0.3, rel_tol=1e-12)
+    assert math.isclose(losses.top_gap(_logp([0.9, 0.1]), _logp([0.6, 0.4])).item(), -0.3, rel_tol=1e-12)
+    # correction mass: the teacher's excess over the student, summed where it is positive
+    # teacher [0.7, 0.2, 0.1] vs student [0.4, 0.5, 0.1]: 0.3 on token 0, none on 1 (under), none on 2 (equal)
+    assert math.isclose(losses.correction_mass(_logp([0.4, 0.5, 0.1]), _logp([0.7, 0.2, 0.1])).item(), 0.3,
+                        rel_tol=1e-9)
+    # a broader teacher [0.6, 0.4] over a confident student [0.9, 0.1] still moves 0.3 of mass
+    assert math.isclose(losses.correction_mass(_logp([0.9, 0.1]), _logp([0.6, 0.4])).item(), 0.3, rel_tol=1e-9)
+    assert losses.correction_mass(_logp([0.3, 0.7]), _logp([0.3, 0.7])).item() < 1e-12
+    # view support: tops [1, 1, 0] against the aggregate's top 1 -> 2/3
+    tops = torch.stack([_logp([0.2, 0.8]), _logp([0.4, 0.6]), _logp([0.7, 0.3])])
+    assert math.isclose(losses.view_support(tops, torch.tensor(1)).item(), 2 / 3, rel_tol=1e-6)
 
 
 def test_teacher_top_k_renormalises_both_sides():

@@ -8,8 +8,9 @@ import random
 import torch
 
 from algorithms.base import Batch, TeacherTerms
+from algorithms import losses
 from algorithms.mass import (
-    MASS, InfluenceTracker, MASSConfig, draw_mask, mask_probs, masked_count, span_influence, split_spans,
+    MASS, InfluenceTracker, MASSConfig, draw_views, gate_tokens, mask_probs, mask_rates, span_influence, split_spans,
 )
 from algorithms.opsd import OPSD, OPSDConfig
 
@@ -48,28 +49,73 @@ def test_loss_hand_computed_with_two_views_and_gate_weights():
     assert math.isclose(algo.loss(model, batch, torch.tensor(2.0)).loss.item(), expected, rel_tol=1e-5)
 
 
-def test_masked_count_and_draw_mask():
-    assert [masked_count(n, 0.3) for n in (0, 1, 2, 3, 10)] == [0, 0, 1, 1, 3]
-    assert masked_count(5, 0.0) == 0 and masked_count(5, 1.0) == 5
-    mask = draw_mask(random.Random(0), [0.25] * 4, 2)
-    assert sum(mask) == 2
-    assert draw_mask(random.Random(0), [0.0, 1.0, 0.0], 1) == [False, True, False]
+def test_mask_rates_and_distinct_bernoulli_views():
+    assert mask_rates([0.25] * 4, 0.3) == [0.3] * 4
+    assert mask_rates([0.7, 0.1, 0.1, 0.1], 0.5) == [1.0, 0.2, 0.2, 0.2]  # capped at 1
+    rng = random.Random(0)
+    for _ in range(50):  # 3 spans, 8 possible masks: 4 views are always distinct
+        views = draw_views(rng, [0.3, 0.3, 0.3], 4)
+        assert len({tuple(v) for v in views}) == 4
+    # the unmasked reference is a possible view, and is drawn about (1 - 0.3)^3 of the time
+    first = [tuple(draw_views(rng, [0.3] * 3, 1)[0]) for _ in range(4000)]
+    assert abs(first.count((False, False, False)) / 4000 - 0.7 ** 3) < 0.03
+    # with fewer possible masks than views, views repeat rather than loop forever
+    assert draw_views(rng, [0.0, 1.0], 3) == [[False, True]] * 3
+    assert len({tuple(v) for v in draw_views(rng, [0.5], 4)}) == 2
 
 
 def test_views_mask_the_reference_spans():
     model, tok = tiny()
-    task = arith()
+    task = arith(steps=4)
     ex = task.train_examples()[0]
-    algo = MASS(MASSConfig(num_views=3, mask_ratio=0.5, adaptive_masking=False))
+    algo = MASS(MASSConfig(num_views=4, mask_ratio=0.5, adaptive_masking=False))
     refs, masks, focus = algo.views(ex, task, tok)
     spans = task.solution_spans(ex.solution)
-    assert len(refs) == 3 and focus == 1.0
+    assert len(refs) == 4 and focus == 1.0 and len({tuple(m) for m in masks}) == 4
     for ref, mask in zip(refs, masks):
-        assert sum(mask) == masked_count(len(spans), 0.5)
         assert ref.count(task.mask_token) >= sum(mask)
         for span, hidden in zip(spans, mask):
             assert (span.strip() in ref) != hidden or span.strip() in "".join(s for s, h in zip(spans, mask) if not h)
     assert "".join(split_spans(ex.solution, task, tok, "tokens", 5)) == ex.solution
+
+
+def test_ranks_draw_different_masks_and_their_state_resumes_exactly():
+    model, tok = tiny()
+    task = arith(steps=4)
+    ex = task.train_examples()[0]
+    draws = {}
+    for rank in (0, 1):
+        algo = MASS(MASSConfig(num_views=4, mask_ratio=0.5))
+        draws[rank] = [algo.views(ex, task, tok, rank)[1] for _ in range(5)]
+    assert draws[0] != draws[1]
+    a = MASS(MASSConfig(num_views=4, mask_ratio=0.5))
+    a.views(ex, task, tok, 1)
+    a.influence.update(ex.uid, [0.1, None, 0.3, 0.2, 0.0])
+    b = MASS(MASSConfig(num_views=4, mask_ratio=0.5))
+    b.load_rank_state_dict(a.rank_state_dict())
+    assert [a.views(ex, task, tok, 1)[1] for _ in range(3)] == [b.views(ex, task, tok, 1)[1] for _ in range(3)]
+
+
+def test_revisiting_an_example_whose_span_no_view_masked():
+    # the crash case: an update leaves a span without an estimate; the next visit must still draw masks
+    tracker = InfluenceTracker(decay=0.5, buckets=2)
+    tracker.update("q", span_influence([[True, False, False], [True, False, False]], [0.3, 0.1]))
+    # span 0: its own 0.2; span 1 shares span 0's position bucket (prior 0.2); span 2: unknown -> their mean
+    assert tracker.scores("q", 3) == [0.2, 0.2, 0.2]
+    tracker.update("q", [None, 0.6, None])
+    assert tracker.scores("q", 3) == [0.2, 0.6, 0.4]
+    assert InfluenceTracker(0.5, 2).scores("new", 3) is None
+    scores = tracker.scores("q", 3)
+    assert math.isclose(sum(mask_probs(scores, 3, 0.5, 1.0)), 1.0)
+    # end to end: a task whose references have 3 spans, revisited many times
+    model, tok = tiny()
+    task = arith()
+    algo = MASS(MASSConfig(num_views=2, mask_ratio=0.2, influence_decay=0.5))
+    examples = task.train_examples()[:2]
+    for step in range(6):
+        algo.make_batch(examples, ctx(model, tok, task, seed=step))
+    for ex in examples:
+        assert None in algo.influence.by_uid[ex.uid] or algo.influence.scores(ex.uid, 3) is not None
 
 
 def test_span_influence_and_mask_probs_hand_computed():
@@ -97,18 +143,60 @@ def test_adaptive_masking_concentrates_on_the_influential_span():
     assert restored.scores("q1", 4) == tracker.scores("q1", 4)
 
 
-def test_gate_sets_token_weights_and_logs_kept_fraction():
+def _stats(student, views):
+    """self_distill_diagnostics on hand-made distributions: student (N, V) probs, views (N, K, V) probs;
+    an identity head turns log-probs back into the same distributions at temperature 1."""
+    v = len(student[0])
+    return losses.self_distill_diagnostics(torch.tensor(student).log(), None, torch.tensor(views).log(),
+                                           (torch.eye(v), None), temperature=1.0)
+
+
+def test_gate_keeps_a_planted_correction_and_drops_agreement_and_lost_information():
+    stats = _stats(
+        [[0.8, 0.1, 0.1],   # token 0: the student is sure of 0, every view says 1 -> a correction the views back
+         [0.6, 0.3, 0.1],   # token 1: views agree with the student -> nothing to transfer
+         [0.6, 0.3, 0.1]],  # token 2: one view knows 1, three (their span masked) guess 2 -> support 1/4
+        [[[0.1, 0.8, 0.1]] * 4,
+         [[0.62, 0.28, 0.1]] * 4,
+         [[0.005, 0.99, 0.005], [0.3, 0.2, 0.5], [0.3, 0.2, 0.5], [0.3, 0.2, 0.5]]])
+    assert math.isclose(stats["correction"][0].item(), 0.7, rel_tol=1e-5)  # 0.8 - 0.1 on token 1
+    assert stats["correction"][1].item() < 0.05 and stats["support"][2].item() == 0.25
+    keep = gate_tokens(stats, MASSConfig())
+    assert keep.tolist() == [True, False, False]
+    # without the support test the lost-information token passes on its correction mass alone
+    assert gate_tokens(stats, MASSConfig(gate_support=0.0)).tolist() == [True, False, True]
+    # the old agreement-quantile gate drops the correction too whenever it is among the most disputed
+    assert gate_tokens(stats, MASSConfig(gate_support=0.0, gate_agreement_quantile=0.5)).tolist()[2] is False
+
+
+def test_gate_sets_token_weights_and_logs_kept_fractions():
     model, tok = tiny()
     task = arith()
-    algo = MASS(MASSConfig(gate_margin=-1.0, gate_agreement_quantile=0.5))  # correction test always passes
+    algo = MASS(MASSConfig(gate_margin=0.0, gate_support=0.0, gate_agreement_quantile=0.5))
     batch = algo.make_batch(task.train_examples()[:4], ctx(model, tok, task))
     sel = batch.loss_mask.bool()
     kept = batch.token_weights[sel]
     assert set(kept.unique().tolist()) <= {0.0, 1.0} and batch.token_weights[~sel].sum() == 0
     assert math.isclose(batch.metrics["mass/kept_fraction"].item(), kept.mean().item())
     assert 0.4 <= kept.mean().item() <= 0.7  # about half at quantile 0.5 (ties may keep more)
-    for key in ("mass/view_disagreement", "mass/correction", "mass/mask_focus"):
+    for key in ("mass/view_disagreement", "mass/correction", "mass/mask_focus", "mass/masked_share",
+                "mass/distinct_views", "mass/correction_tokens"):
         assert key in batch.metrics
+    # kept_correction_fraction by hand: tokens whose aggregated top is not the sampled one and is under-weighted
+    hidden = algo_student_stats(algo, model, batch)
+    corrects = (hidden["teacher_top"] != batch.input_ids[sel]) & (hidden["top_gap"] > 0)
+    if corrects.any():
+        assert math.isclose(batch.metrics["mass/kept_correction_fraction"].item(),
+                            kept[corrects].mean().item(), rel_tol=1e-6)
+
+
+def algo_student_stats(algo, model, batch):
+    from algorithms.scoring import detached_head, predicting
+    from models.anatomy import final_hidden
+    sel = batch.loss_mask.bool()
+    student = predicting(final_hidden(model, batch.input_ids, batch.attention_mask))[sel]
+    return losses.self_distill_diagnostics(student, detached_head(model), batch.teacher.hidden[sel], batch.teacher.head,
+                                           temperature=algo.cfg.temperature)
 
 
 def test_two_steps_change_every_parameter():

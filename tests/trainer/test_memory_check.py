@@ -91,12 +91,14 @@ def test_kv_bytes_per_token_is_the_engines_cache():
 
 
 @pytest.mark.parametrize("algo, extra, copies", [
-    ("opsd", ["algo.teacher=current"], 0), ("opsd", ["algo.teacher=fixed"], 1), ("opsd", ["algo.teacher=ema"], 1),
+    ("opsd", ["algo.teacher=current"], 1), ("opsd", ["algo.teacher=fixed"], 1), ("opsd", ["algo.teacher=ema"], 2),
+    ("opsd", ["algo.teacher=refresh"], 2),
     ("opsd", ["algo.teacher=fixed", "algo.lora_rank=4"], 0), ("mass", ["algo.teacher=fixed"], 1),
     ("grpo", [], 0), ("grpo", ["algo.beta=0.1"], 1), ("grpo", ["algo.beta=0.1", "algo.lora_rank=4"], 0)])
 def test_weight_copies_are_the_copies_the_algorithm_makes(tmp_path, algo, extra, copies):
     """What an algorithm declares (algorithms.base.KeepsCopies) is what its teacher / reference really
-    holds once the first step has made it: counted in bytes against the prepared model's."""
+    holds once the first step has made it (a moving self-teacher also keeps the step-0 weights, for its
+    drift): counted in bytes against the prepared model's."""
     from algorithms import build_algorithm
     from algorithms.base import capabilities
     from trainer.distributed import World
@@ -113,6 +115,8 @@ def test_weight_copies_are_the_copies_the_algorithm_makes(tmp_path, algo, extra,
         with holder.weights(prepared) as used:  # what the step does: the copy is made on first use
             pass
     made = 0 if used is prepared else sum(p.numel() * p.element_size() for p in used.parameters())
+    origin = getattr(holder, "origin", None)  # a moving self-teacher keeps the step-0 weights for its drift
+    made += 0 if origin is None else sum(t.numel() * t.element_size() for t in origin.values())
     weights = sum(p.numel() * p.element_size() for p in prepared.parameters())
     assert made == copies * weights
 
