@@ -62,7 +62,8 @@ MASK_TRIES = 32  # redraws of a view that repeats an earlier one
 class MASSConfig(SelfDistillConfig):
     name: str = "mass"
     num_views: int = 4  # K masked views of the reference per question
-    mask_ratio: float = 0.3  # share of spans masked in each view
+    mask_ratio: float = 0.3  # probability that a view masks a span (Bernoulli per span)
+    full_view: bool = False  # the first view is always the whole reference (the others are masked draws)
     span_unit: str = "step"  # step (the task's solution steps) | sentence | tokens
     span_tokens: int = 16  # window size for span_unit=tokens
     aggregate: str = "mean"  # mean (of probabilities) | geometric
@@ -114,14 +115,18 @@ def mask_rates(probs: Sequence[float], ratio: float) -> list[float]:
     return [min(1.0, ratio * n * p) for p in probs]
 
 
-def draw_views(rng: random.Random, rates: Sequence[float], k: int, tries: int = MASK_TRIES) -> list[list[bool]]:
+def draw_views(rng: random.Random, rates: Sequence[float], k: int, tries: int = MASK_TRIES,
+               full_first: bool = False) -> list[list[bool]]:
     """`k` masks, span j hidden with probability `rates[j]` (a Bernoulli draw per span, so a view may
     hide nothing: the whole reference is a view too), each distinct from the ones before it where
     possible (a duplicate is redrawn up to `tries` times, then kept: with fewer possible masks than
-    `k`, or rates of 0 and 1, views must repeat)."""
+    `k`, or rates of 0 and 1, views must repeat). `full_first`: the first view hides nothing."""
     views: list[list[bool]] = []
     seen: set[tuple[bool, ...]] = set()
-    for _ in range(k):
+    if full_first and k > 0:
+        views.append([False] * len(rates))
+        seen.add(tuple(views[0]))
+    for _ in range(k - len(views)):
         for _ in range(tries):
             mask = tuple(rng.random() < r for r in rates)
             if mask not in seen:
@@ -258,7 +263,7 @@ class MASS:
         spans = split_spans(ex.solution, task, tokenizer, c.span_unit, c.span_tokens)
         scores = self.influence.scores(ex.uid, len(spans)) if c.adaptive_masking else None
         probs = mask_probs(scores, len(spans), c.influence_mix, c.influence_temperature)
-        masks = draw_views(self.mask_stream(rank), mask_rates(probs, c.mask_ratio), c.num_views)
+        masks = draw_views(self.mask_stream(rank), mask_rates(probs, c.mask_ratio), c.num_views, full_first=c.full_view)
         return [mask_spans(spans, m, task.mask_token) for m in masks], masks, max(probs, default=1.0) * len(spans)
 
     def make_batch(self, examples: Sequence[Any], ctx: RolloutContext) -> Batch:

@@ -59,6 +59,8 @@ def test_mask_rates_and_distinct_bernoulli_views():
     # the unmasked reference is a possible view, and is drawn about (1 - 0.3)^3 of the time
     first = [tuple(draw_views(rng, [0.3] * 3, 1)[0]) for _ in range(4000)]
     assert abs(first.count((False, False, False)) / 4000 - 0.7 ** 3) < 0.03
+    views = draw_views(rng, [0.9, 0.9, 0.9], 4, full_first=True)  # the whole reference first, then masked draws
+    assert views[0] == [False] * 3 and len({tuple(v) for v in views}) == 4
     # with fewer possible masks than views, views repeat rather than loop forever
     assert draw_views(rng, [0.0, 1.0], 3) == [[False, True]] * 3
     assert len({tuple(v) for v in draw_views(rng, [0.5], 4)}) == 2

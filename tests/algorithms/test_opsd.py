@@ -192,3 +192,15 @@ def test_lora_export_is_an_adapter_that_loads_merged(tmp_path):
     ids = torch.tensor([[3, 4, 5, 6, 7]])
     with torch.no_grad():
         assert torch.allclose(merged(input_ids=ids).logits, peft_model(input_ids=ids).logits, atol=1e-4)
+
+
+def test_a_teacher_row_past_the_models_positions_is_refused_naming_the_example():
+    from algorithms.scoring import teacher_hidden
+
+    model, tok = tiny()
+    positions = model.config.max_position_embeddings
+    prompt, completion = [1] * (positions - 10), [2] * 10
+    hidden = teacher_hidden(model, [[prompt]], [completion], [3], 13, 4, torch.device("cpu"), ["q7"])  # fits exactly
+    assert hidden.shape[:3] == (1, 13, 1)
+    with pytest.raises(ValueError, match=r"teacher row of example q7: .* > the model's \d+ positions"):
+        teacher_hidden(model, [[prompt]], [completion + [2]], [3], 14, 4, torch.device("cpu"), ["q7"])

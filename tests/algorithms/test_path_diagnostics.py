@@ -139,6 +139,22 @@ def test_algorithms_log_the_split_on_multipath(algo, task):
     off.cfg.path_diagnostics = False
     assert not any(k.startswith("paths/") for k in off.make_batch(task.train_examples()[:4],
                                                                   ctx(model, tok, task)).metrics)
+    # arith has one path: nothing is logged and (MASS) no full-reference pass runs, even with the key on
+    arith = build_task("arith", seed=0, n_train=8, n_test=4)
+    on = algo()
+    calls = []
+    if isinstance(on, MASS):
+        import algorithms.mass as mass_module
+
+        real = mass_module.teacher_hidden
+        mass_module.teacher_hidden = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        metrics = on.make_batch(arith.train_examples()[:4], ctx(model, tok, arith)).metrics
+    finally:
+        if isinstance(on, MASS):
+            mass_module.teacher_hidden = real
+    assert not any(k.startswith("paths/") for k in metrics)
+    assert calls == ([1] if isinstance(on, MASS) else [])  # MASS: the views' pass only
 
 
 def test_eval_reports_how_often_the_greedy_path_differs(task, tok):
