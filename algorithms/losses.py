@@ -79,12 +79,20 @@ def aggregate_views(view_logp: Tensor, mode: str = "mean") -> Tensor:
 
     mean:      log((1/K) sum_k p_k) -- a Monte-Carlo estimate of the marginal over reference realisations.
     geometric: log_softmax((1/K) sum_k log p_k) -- the normalised geometric mean.
+    backed:    the mean over the views that back the mean's top token (their own top is that token):
+               views whose masked reference lost the information the token needs drop out there.
     """
     if mode == "mean":
         return torch.logsumexp(view_logp, dim=0) - math.log(view_logp.shape[0])
     if mode == "geometric":
         return torch.log_softmax(view_logp.mean(0), dim=-1)
-    raise ValueError(f"unknown view aggregation {mode!r}; expected 'mean' or 'geometric'")
+    if mode == "backed":
+        mean = torch.logsumexp(view_logp, dim=0) - math.log(view_logp.shape[0])
+        backs = view_logp.argmax(-1) == mean.argmax(-1).unsqueeze(0)  # (K, ...)
+        backs = backs | ~backs.any(0, keepdim=True)  # no view backs it (a mean's top no view has): all count
+        masked = view_logp.masked_fill(~backs.unsqueeze(-1), float("-inf"))
+        return torch.logsumexp(masked, dim=0) - backs.sum(0).unsqueeze(-1).to(view_logp.dtype).log()
+    raise ValueError(f"unknown view aggregation {mode!r}; expected 'mean', 'geometric' or 'backed'")
 
 
 def view_disagreement(view_logp: Tensor) -> Tensor:

@@ -163,3 +163,14 @@ def test_chunked_token_logprobs_matches_log_softmax():
     expected = torch.log_softmax(feats @ weight.T / 0.7, -1).gather(-1, targets[:, None]).squeeze(-1)
     got = losses.chunked_token_logprobs(feats, (weight, None), targets, 0.7, chunk=4)
     assert torch.allclose(got, expected, atol=1e-6)
+
+
+def test_backed_aggregate_is_the_mean_of_the_views_that_reach_the_means_top():
+    # mean [0.35, 0.475, 0.175] has top 1; views 0 and 1 have top 1 -> mean of those two
+    views = torch.stack([_logp([0.1, 0.8, 0.1]), _logp([0.2, 0.7, 0.1]), _logp([0.5, 0.2, 0.3]), _logp([0.6, 0.2, 0.2])])
+    backed = losses.aggregate_views(views, "backed").exp()
+    assert torch.allclose(backed, torch.tensor([0.15, 0.75, 0.1], dtype=torch.float64))
+    # per token: a second token where every view agrees is the plain mean
+    both = torch.stack([views, torch.stack([_logp([0.7, 0.2, 0.1])] * 4)], dim=1)  # (K, 2, V)
+    out = losses.aggregate_views(both, "backed").exp()
+    assert torch.allclose(out[0], backed) and torch.allclose(out[1], torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64))
