@@ -98,7 +98,7 @@ def rerun_message(cfg, step: int, path: str) -> str:
 
 
 def accuracy_summary(evals: list[dict], extra: dict[str, str] | None = None) -> str:
-    """'held-out accuracy: before A (teacher with reference T) -> after B' from this run's evals, then
+    """'held-out accuracy: before A (teacher with reference T) -> after B (teacher prompt T')' from this run's evals, then
     one 'NAME: before -> after' line per `extra` eval metric (the algorithm's summary_metrics)."""
     if not evals:
         return "held-out accuracy: no evaluation ran"
@@ -106,6 +106,8 @@ def accuracy_summary(evals: list[dict], extra: dict[str, str] | None = None) -> 
     teacher = f" (teacher prompt with reference {first['teacher_accuracy']:.3f})" if "teacher_accuracy" in first else ""
     before = f"step {first['step']} {first['accuracy']:.3f}{teacher}"
     line = f"held-out accuracy (n={last['n']}): {before} -> step {last['step']} {last['accuracy']:.3f}"
+    if "teacher_accuracy" in last and last is not first:
+        line += f" (teacher prompt {last['teacher_accuracy']:.3f})"
     for key, label in (extra or {}).items():
         if key in first:
             line += (f"\n{label}: step {first['step']} {first[key]:.2f} -> step {last['step']} "

@@ -81,7 +81,10 @@ def aggregate_views(view_logp: Tensor, mode: str = "mean") -> Tensor:
     geometric: log_softmax((1/K) sum_k log p_k) -- the normalised geometric mean.
     backed:    the mean over the views that back the mean's top token (their own top is that token):
                views whose masked reference lost the information the token needs drop out there.
+    One view is returned as it is, whatever the mode.
     """
+    if view_logp.shape[0] == 1 and mode in ("mean", "geometric", "backed"):
+        return view_logp[0]
     if mode == "mean":
         return torch.logsumexp(view_logp, dim=0) - math.log(view_logp.shape[0])
     if mode == "geometric":

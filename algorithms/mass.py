@@ -4,15 +4,21 @@ reference, aggregated, with only reliable token corrections transferred.
 Paper: Shen, Hou, Bi et al., "Multi-Mask Selective Self-Distillation" (no public code; our reading
 and its formulas: docs/mass.md). Per step, on top of OPSD (algorithms/opsd.py; shared pieces in algorithms/selfdistill.py):
 1. Split each reference into spans (`span_unit`: the task's solution steps, sentences, or windows of
-   `span_tokens` tokens) and build `num_views` views, each masking round(mask_ratio x spans) spans
-   with the task's mask token. The K teacher passes run batched.
+   `span_tokens` tokens) and build `num_views` views, each hiding every span with probability
+   `mask_ratio` (a Bernoulli draw per span, shaped by the adaptive distribution of step 4) behind the
+   task's mask token; a view may hide nothing, the K views of a question are distinct where possible
+   (`full_view`: the first is always the whole reference). The K teacher passes run batched.
 2. The teacher distribution per completion token aggregates the K views: mean of probabilities (a
-   Monte-Carlo estimate of the marginal over reference realisations; default) or `geometric`.
-3. Selective transfer: token weight 1 only where the views agree (mean pairwise JSD across views at
-   or below the batch's `gate_agreement_quantile`, or below `gate_agreement_threshold` when set) AND
-   the teacher corrects the student (its top token's probability exceeds the student's by more
-   than `gate_margin`; a teacher merely broader than a confident student is no correction);
-   0 elsewhere. The kept fraction is logged as mass/kept_fraction.
+   Monte-Carlo estimate of the marginal over reference realisations), `geometric` (normalised mean of
+   log-probabilities: a view that lost the information and spreads its mass barely moves it), or
+   `backed` (the mean over the views whose top token is the mean's).
+3. Selective transfer: token weight 1 only where the aggregated teacher corrects the student (its
+   excess mass on the tokens the student under-weights, sum_v max(0, p_T - p_S), above `gate_margin`)
+   AND the views back it (at least `gate_support` of them have the aggregate's top token: where most
+   views lost the information with their masked spans, the token is dropped); optionally also only
+   where the views' mean pairwise JSD is at or below the batch's `gate_agreement_quantile`. Logged:
+   mass/kept_fraction and mass/kept_correction_fraction (the kept share of the tokens where the
+   aggregate's top is not the sampled token and the student under-weights it).
 4. Adaptive masking: each span's influence is how far masking it moved the teacher -- the JSD(1/2)
    between a view and the aggregate, averaged over the completion and shared among the spans that view
    masked -- estimated from the views already computed (no extra passes). Masks are drawn with
@@ -22,10 +28,11 @@ and its formulas: docs/mass.md). Per step, on top of OPSD (algorithms/opsd.py; s
 With num_views=1, mask_ratio=0 and gate=false it is exactly OPSD (tests/algorithms/test_mass.py).
 
 Choices that are ours (the abstract does not fix them): the gate statistics are computed with no
-grad in make_batch on the rank's whole batch; mask count = round(ratio x spans), at least 1 and at
-most spans - 1 when 0 < ratio < 1; influence scores are kept per example uid (an EMA, for data seen
-again) with a prior per relative span position (8 buckets, an EMA over all examples) for unseen
-questions; the softmax is scale-free (influence divided by its mean over the row's spans).
+grad in make_batch on the rank's whole batch; influence scores are kept per example uid (an EMA, for
+data seen again) with a prior per relative span position (8 buckets, an EMA over all examples) for
+unseen questions; the softmax is scale-free (influence divided by its mean over the row's spans).
+Each rank draws masks from its own stream (seeded by `seed` and the rank) and keeps its own influence
+scores; both are checkpointed per rank (`rank_state_dict`). The designs compared: docs/mass.md.
 
     torchrun --nproc_per_node=2 train.py +algo=mass
     python train.py +algo=mass algo.num_views=8 algo.mask_ratio=0.5 algo.aggregate=geometric
@@ -66,9 +73,9 @@ class MASSConfig(SelfDistillConfig):
     full_view: bool = False  # the first view is always the whole reference (the others are masked draws)
     span_unit: str = "step"  # step (the task's solution steps) | sentence | tokens
     span_tokens: int = 16  # window size for span_unit=tokens
-    aggregate: str = "mean"  # mean (of probabilities) | geometric | backed (mean over the views backing its top)
+    aggregate: str = "geometric"  # geometric (normalised mean of log-probs) | mean (of probabilities) | backed
     gate: bool = True
-    gate_margin: float = 0.05  # keep tokens where the teacher's excess mass over the student exceeds this
+    gate_margin: float = 0.0  # keep tokens where the teacher's excess mass over the student exceeds this
     gate_support: float = 0.5  # ... and at least this share of the views has the aggregate's top token
     gate_agreement_quantile: float = 1.0  # < 1: also drop tokens whose view disagreement is above this batch quantile
     gate_agreement_threshold: float = 0.0  # > 0: an absolute view-disagreement limit instead of the quantile

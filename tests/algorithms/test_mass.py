@@ -43,7 +43,7 @@ def test_loss_hand_computed_with_two_views_and_gate_weights():
     batch = Batch(torch.tensor([[0, 1, 0]]), torch.ones(1, 3, dtype=torch.long), torch.tensor([[0, 1, 1]]),
                   teacher=TeacherTerms(th, (torch.eye(2), None)),
                   token_weights=torch.tensor([[0.0, 1.0, 0.0]]))  # gate keeps token 1 only
-    algo = MASS(MASSConfig(temperature=1.0, beta=0.0))
+    algo = MASS(MASSConfig(temperature=1.0, beta=0.0, aggregate="mean"))
     # forward KL(T || S) = 0.4 ln(0.4/0.5) + 0.6 ln(0.6/0.5), weight 1 on token 1, 0 on token 2, normaliser 2
     expected = (0.4 * math.log(0.8) + 0.6 * math.log(1.2)) / 2
     assert math.isclose(algo.loss(model, batch, torch.tensor(2.0)).loss.item(), expected, rel_tol=1e-5)
@@ -156,18 +156,24 @@ def _stats(student, views):
 def test_gate_keeps_a_planted_correction_and_drops_agreement_and_lost_information():
     stats = _stats(
         [[0.8, 0.1, 0.1],   # token 0: the student is sure of 0, every view says 1 -> a correction the views back
-         [0.6, 0.3, 0.1],   # token 1: views agree with the student -> nothing to transfer
-         [0.6, 0.3, 0.1]],  # token 2: one view knows 1, three (their span masked) guess 2 -> support 1/4
+         [0.6, 0.3, 0.1],   # token 1: every view agrees with the student exactly -> nothing to transfer
+         [0.6, 0.3, 0.1],   # token 2: one view knows 1, three (their span masked) guess 2 -> support 1/4
+         [0.6, 0.3, 0.1]],  # token 3: views a little sharper than the student (excess mass 0.02)
         [[[0.1, 0.8, 0.1]] * 4,
-         [[0.62, 0.28, 0.1]] * 4,
-         [[0.005, 0.99, 0.005], [0.3, 0.2, 0.5], [0.3, 0.2, 0.5], [0.3, 0.2, 0.5]]])
+         [[0.6, 0.3, 0.1]] * 4,
+         [[0.005, 0.99, 0.005], [0.3, 0.2, 0.5], [0.3, 0.2, 0.5], [0.3, 0.2, 0.5]],
+         [[0.62, 0.28, 0.1]] * 4])
     assert math.isclose(stats["correction"][0].item(), 0.7, rel_tol=1e-5)  # 0.8 - 0.1 on token 1
-    assert stats["correction"][1].item() < 0.05 and stats["support"][2].item() == 0.25
-    keep = gate_tokens(stats, MASSConfig())
-    assert keep.tolist() == [True, False, False]
+    assert stats["correction"][1].item() < 1e-6 and stats["support"][2].item() == 0.25
+    assert math.isclose(stats["correction"][3].item(), 0.02, rel_tol=1e-3)
+    for aggregate in ("geometric", "mean", "backed"):
+        stats_a = _stats([[0.8, 0.1, 0.1]], [[[0.1, 0.8, 0.1]] * 4]) if aggregate != "geometric" else stats
+        assert gate_tokens(stats_a, MASSConfig(aggregate=aggregate)).tolist()[0] is True
+    assert gate_tokens(stats, MASSConfig()).tolist() == [True, False, False, True]  # the default: margin 0
+    assert gate_tokens(stats, MASSConfig(gate_margin=0.05)).tolist() == [True, False, False, False]
     # without the support test the lost-information token passes on its correction mass alone
-    assert gate_tokens(stats, MASSConfig(gate_support=0.0)).tolist() == [True, False, True]
-    # the old agreement-quantile gate drops the correction too whenever it is among the most disputed
+    assert gate_tokens(stats, MASSConfig(gate_support=0.0)).tolist() == [True, False, True, True]
+    # the agreement-quantile gate drops the most disputed tokens, corrections among them
     assert gate_tokens(stats, MASSConfig(gate_support=0.0, gate_agreement_quantile=0.5)).tolist()[2] is False
 
 
