@@ -117,7 +117,7 @@ MAIN_JOB_TOLERANCE = 0.01  # held-out accuracy (n=200) across kernel sets: 2 que
 def test_the_main_jobs_figures_agree_across_cpu_kernel_sets(tmp_path, subprocess_env):
     """The main job's algorithm on the shipped default, cold cache, under each kernel set this machine has:
     the step-0 and the final held-out accuracy agree within MAIN_JOB_TOLERANCE (measured over the full
-    60-step main job on 2 ranks: equal, losses within 1e-8; docs/default_model.md)."""
+    60-step main job of the earlier defaults on 2 ranks: equal, losses within 1e-8; docs/default_model.md)."""
     seen = {}
     for capability in _capabilities():
         env = dict(subprocess_env, POSTTRAIN_CACHE=str(tmp_path / f"cache-{capability}"))
