@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from trainer.config import TrainConfig
 
 
+SKIPPED_STEPS = "train/skipped_steps"
 DRAFTER_EVAL_EXAMPLES = 32  # held-out prompts for the speculative-decoding acceptance metric
 
 
@@ -60,6 +61,7 @@ class Session:
     tracker: Tracker
     generator: torch.Generator  # rollout sampling; checkpointed
     step: int = 0
+    skipped_steps: int = 0  # empty steps whose optimizer step was skipped (train/skipped_steps); checkpointed
     activations: Optional["ActivationManager"] = None  # trainer.activations (None for `none`)
     evals: list = field(default_factory=list)  # eval records of this process's run, in order
 
@@ -138,6 +140,8 @@ def train_step(s: Session, batch: Batch) -> dict:
     global_targets = world.all_reduce_sum(batch.num_targets().double())  # scalar, or (G,) per loss group
     normaliser = (global_targets / world.size).clamp(min=1).float()  # backends average grads over ranks
     skip = skipped_micro_batches(s, micros)
+    if all(skip):  # an empty step on every rank: no forward, no backward, no optimizer step, no scheduler tick
+        return _empty_step(s, batch, len(micros))
     run = [i for i, skipped in enumerate(skip) if not skipped]
     logged = sum(1 for i in run if i < real)  # loss metrics are means over the micro-batches that ran
     loss_sum, metric_sums, gaps = torch.zeros(()), {}, []
@@ -161,7 +165,7 @@ def train_step(s: Session, batch: Batch) -> dict:
             gaps.append(logprob_gap(out.token_logprobs, micro.rollout_logprobs, micro.loss_mask).cpu())
     grad_norm = backend.step(s.cfg.trainer.max_grad_norm)
     metric_sums.update({k: v.detach().float().cpu() for k, v in batch.metrics.items()})
-    if s.caps.zero_loss is not None and _may_skip(backend):
+    if s.caps.zero_loss is not None:
         metric_sums[f"{s.algo.name}/skipped_micro_batches"] = torch.tensor(float(sum(skip)))
     if s.activations is not None:
         metric_sums.update({k: v.detach().float().cpu() for k, v in s.activations.metrics().items()})
@@ -170,24 +174,43 @@ def train_step(s: Session, batch: Batch) -> dict:
     local_tokens = batch.attention_mask.sum().cpu()
     reduced = _mean_over_ranks(world, {"loss": loss_sum, "tokens": local_tokens, **metric_sums})
     tokens = round(reduced.pop("tokens") * world.size)
-    return {"step": s.step, "split": "train", **reduced, "grad_norm": grad_norm, "lr": backend.lr, "tokens": tokens}
+    record = {"step": s.step, "split": "train", **reduced, "grad_norm": grad_norm, "lr": backend.lr, "tokens": tokens}
+    if s.caps.zero_loss is not None:
+        record[SKIPPED_STEPS] = s.skipped_steps
+    return record
+
+
+def _empty_step(s: Session, batch: Batch, micro_batches: int) -> dict:
+    """A step whose every micro-batch on every rank has an exactly zero loss and gradient (e.g. GRPO
+    groups without reward spread and no KL term): the optimizer is not stepped, so AdamW applies no
+    momentum and no weight decay from it, and the learning-rate schedule does not tick. Weights,
+    optimizer state and scheduler stay exactly as they were, on every backend (DeepSpeed: no backward
+    reaches its accumulation count, so its engine does not step either). Counted in `train/skipped_steps`."""
+    s.skipped_steps += 1
+    metrics = {k: v.detach().float().cpu() for k, v in batch.metrics.items()}
+    metrics[f"{s.algo.name}/skipped_micro_batches"] = torch.tensor(float(micro_batches))
+    local_tokens = batch.attention_mask.sum().cpu()
+    reduced = _mean_over_ranks(s.world, {"loss": torch.zeros(()), "tokens": local_tokens, **metrics})
+    tokens = round(reduced.pop("tokens") * s.world.size)
+    return {"step": s.step, "split": "train", **reduced, "grad_norm": 0.0, "lr": s.backend.lr, "tokens": tokens,
+            SKIPPED_STEPS: s.skipped_steps}
 
 
 def skipped_micro_batches(s: Session, micros: list[Batch]) -> list[bool]:
     """Which micro-batches (by index) this step skips: those whose loss the algorithm knows is exactly
     zero with a zero gradient (`KnowsZeroLoss`) on EVERY rank, so all ranks run the same forwards,
-    backwards and collectives. Nothing is skipped when the algorithm cannot tell, or under a backend
-    that counts a fixed number of backwards per step (DeepSpeed). When every micro-batch could be
-    skipped, the first still runs: a step with no backward would leave the gradients unset, and the
-    optimizer would then skip what a zero gradient still does (weight decay, Adam's moments)."""
+    backwards and collectives. Nothing is skipped when the algorithm cannot tell. When every
+    micro-batch is skippable the whole step is empty (`train_step` then skips the optimizer step too),
+    on every backend; otherwise a backend that counts a fixed number of backwards per step (DeepSpeed)
+    runs them all."""
     zero = s.caps.zero_loss
-    if zero is None or not _may_skip(s.backend):
+    if zero is None:
         return [False] * len(micros)
     local = torch.tensor([int(bool(zero(m))) for m in micros])
     skip = [bool(x) for x in (-s.world.all_reduce_max(-local)).tolist()]  # a minimum: skippable on every rank
-    if all(skip):
-        skip[0] = False
-    return skip
+    if all(skip) or _may_skip(s.backend):
+        return skip
+    return [False] * len(micros)
 
 
 def _may_skip(backend: Backend) -> bool:
@@ -273,7 +296,8 @@ def _run_eval(s: Session) -> dict:
 
 
 def save(s: Session) -> str:
-    state = {"step": s.step, "stream": s.stream.state_dict(), "algo": s.algo.state_dict(),
+    state = {"step": s.step, "skipped_steps": s.skipped_steps, "stream": s.stream.state_dict(),
+             "algo": s.algo.state_dict(),
              "generator": s.world.gather_objects(s.generator.get_state())}  # each rank's rollout stream
     if s.caps.rank_state is not None:  # e.g. MASS's mask stream and influence scores, one per rank
         state["algo_rank"] = s.world.gather_objects(s.caps.rank_state())
@@ -284,6 +308,7 @@ def resume(s: Session, path: Optional[str]) -> None:
     state = checkpoint.load_checkpoint(path, s.backend, s.world)
     where = f"{path}/{checkpoint.STATE_NAME}"
     s.step = int(state["step"])
+    s.skipped_steps = int(state.get("skipped_steps", 0))
     checkpoint.apply_part(path, checkpoint.STATE_NAME, s.stream.load_state_dict, state["stream"])
     checkpoint.apply_part(path, checkpoint.STATE_NAME, s.algo.load_state_dict, state["algo"])
     generators = state.get("generator")

@@ -1,7 +1,8 @@
 """Worker for tests/trainer/test_skip_zero_loss.py: under torchrun (gloo, 2 ranks, DDP or FSDP2) GRPO
 steps whose micro-batches are zero on one rank and not on the other, with and without skipping.
 Rank 0 prints one JSON line: the skipped micro-batch indices per step (checked equal on both ranks),
-the logged counts, and how far the weights are from the unskipped run's and between the ranks."""
+the logged counts, how far the weights are from the unskipped run's after the mixed step, whether the
+empty step moved them, and how far apart the ranks are."""
 from __future__ import annotations
 
 import json
@@ -38,8 +39,7 @@ def main() -> None:
     loop.skipped_micro_batches = spy
     fast = grpo_session(out / "skip", world, f"backend={backend}")
     full = grpo_session(out / "full", world, f"backend={backend}", skipping=False)
-    start = full_params(full)
-    counts = []
+    counts, skipped_steps, after = [], [], []
     for step, live in enumerate(PATTERNS[world.rank], 1):
         batch = patterned_batch(fast, live)
         for s in (fast, full):
@@ -47,14 +47,17 @@ def main() -> None:
             record = loop.train_step(s, batch)
             if s is fast:
                 counts.append(record["grpo/skipped_micro_batches"])
-    a, b = full_params(fast), full_params(full)
-    both = world.gather_objects((seen, a))
+                skipped_steps.append(record["train/skipped_steps"])
+        after.append((full_params(fast), full_params(full)))
+    (fast1, full1), (fast2, full2) = after
+    both = world.gather_objects((seen, fast2))
     if world.is_main:
-        print(json.dumps({"skipped": seen, "counts": counts,
+        print(json.dumps({"skipped": seen, "counts": counts, "skipped_steps": skipped_steps,
                           "same_skips_on_ranks": both[0][0] == both[1][0],
-                          "max_diff_vs_unskipped": (a - b).abs().max().item(),
-                          "max_diff_between_ranks": (both[0][1] - both[1][1]).abs().max().item(),
-                          "moved": bool((b != start).any())}), flush=True)
+                          "step1_diff_vs_unskipped": (fast1 - full1).abs().max().item(),
+                          "empty_step_moved": bool((fast2 != fast1).any()),
+                          "unskipped_empty_step_moved": bool((full2 != full1).any()),
+                          "max_diff_between_ranks": (both[0][1] - both[1][1]).abs().max().item()}), flush=True)
     for s in (fast, full):
         s.tracker.close()
     shutdown(world)

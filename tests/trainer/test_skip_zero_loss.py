@@ -19,6 +19,7 @@ from trainer.distributed import World
 from trainer.loop import skipped_micro_batches, train_step
 
 KEY = "grpo/skipped_micro_batches"
+SKIPPED = "train/skipped_steps"
 
 
 def _params(s) -> dict[str, torch.Tensor]:
@@ -44,18 +45,48 @@ def _step_both(tmp_path, patterns):
 
 def test_parameters_equal_the_unskipped_run(tmp_path):
     # step 1 mixes zero and non-zero micro-batches, the last one zero (the sync moves to micro-batch 2);
-    # step 2 is all zero: one micro-batch still runs, so AdamW's moments and decay act as without skipping;
-    # step 3 has only its last micro-batch non-zero
-    patterns = [[True, False, True, False], [False] * 4, [False, False, False, True]]
+    # step 2 has only its last micro-batch non-zero
+    patterns = [[True, False, True, False], [False, False, False, True]]
     (fast, full), after_fast, after_full, start = _step_both(tmp_path, patterns)
     for name, p in after_full.items():
         torch.testing.assert_close(after_fast[name], p, rtol=0, atol=1e-7, msg=name)
-    # the comparison has teeth: every step moved the weights, and step 2's move came from Adam's moments
-    assert all(not torch.equal(after_full[n], start[n]) for n in start)
-    assert [r[KEY] for r in fast] == [2.0, 3.0, 3.0]  # by hand: the zero micro-batches; all zero -> 4 - 1
-    assert KEY not in full[0]
+    assert all(not torch.equal(after_full[n], start[n]) for n in start)  # the comparison has teeth
+    assert [r[KEY] for r in fast] == [2.0, 3.0]  # by hand: the zero micro-batches
+    assert [r[SKIPPED] for r in fast] == [0, 0] and KEY not in full[0]
     for a, b in zip(fast, full):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-7) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
+
+
+def _optimizer_state(s) -> dict:
+    return {k: (v.clone() if torch.is_tensor(v) else v) for st in s.backend.optimizer.state.values() for k, v in st.items()}
+
+
+def test_an_empty_step_leaves_weights_optimizer_and_schedule_exactly_unchanged(tmp_path):
+    """All micro-batches zero (every group without reward spread, no KL): no optimizer step. The
+    unskipped path would still move the weights (AdamW's momentum from step 1), so 'unchanged' is
+    what skipping the step buys."""
+    s = grpo_session(tmp_path / "run", World())
+    s.step = 1
+    train_step(s, patterned_batch(s, [True, True, False, False]))  # a real step: Adam has moments now
+    weights, opt, sched, lr = _params(s), s.backend.optimizer.state_dict(), s.backend.scheduler.state_dict(), s.backend.lr
+    moments = {n: {k: v.clone() for k, v in st.items()} for n, st in s.backend.optimizer.state.items()}
+    s.step = 2
+    record = train_step(s, patterned_batch(s, [False] * 4))
+    assert record[SKIPPED] == 1 and record[KEY] == 4.0 and record["loss"] == 0.0 and record["grad_norm"] == 0.0
+    assert all(torch.equal(p, weights[n]) for n, p in _params(s).items())
+    assert s.backend.scheduler.state_dict() == sched and s.backend.lr == lr
+    assert opt["state"].keys() == s.backend.optimizer.state_dict()["state"].keys()
+    for n, st in s.backend.optimizer.state.items():
+        assert all(torch.equal(v, moments[n][k]) for k, v in st.items())
+    full = grpo_session(tmp_path / "full", World(), skipping=False)  # without skipping the same step moves them
+    full.step = 1
+    train_step(full, patterned_batch(full, [True, True, False, False]))
+    before = _params(full)
+    full.step = 2
+    train_step(full, patterned_batch(full, [False] * 4))
+    assert any(not torch.equal(p, before[n]) for n, p in _params(full).items())
+    for x in (s, full):
+        x.tracker.close()
 
 
 def _micro(adv, mask_rows=((1, 1, 1), (1, 1, 0))) -> Batch:
@@ -109,24 +140,27 @@ def test_beta_never_skips(tmp_path):
     assert record[KEY] == 0.0
 
 
-def test_deepspeed_and_algorithms_without_the_capability_skip_nothing():
-    micros = [_micro([0.0, 0.0])] * 3
+def test_deepspeed_skips_whole_empty_steps_only_and_algorithms_without_the_capability_nothing():
     algo = GRPO(GRPOConfig())
     session = SimpleNamespace(caps=capabilities(algo), world=World(), backend=SimpleNamespace())
-    assert skipped_micro_batches(session, micros) == [False, True, True]  # all zero: the first still runs
+    assert skipped_micro_batches(session, [_micro([0.0, 0.0])] * 3) == [True] * 3  # an empty step
+    mixed = [_micro([0.0, 0.0]), _micro([0.0, 1.0]), _micro([0.0, 0.0])]
+    assert skipped_micro_batches(session, mixed) == [True, False, True]
     from trainer.backends import DeepSpeedBackend
 
     session.backend = SimpleNamespace(fixed_micro_steps=DeepSpeedBackend.fixed_micro_steps)
-    assert skipped_micro_batches(session, micros) == [False] * 3
+    assert skipped_micro_batches(session, mixed) == [False] * 3  # its count of backwards must be reached
+    assert skipped_micro_batches(session, [_micro([0.0, 0.0])] * 3) == [True] * 3  # none at all: no step either
     session = SimpleNamespace(caps=Capabilities(), world=World(), backend=SimpleNamespace())  # e.g. SFT
-    assert skipped_micro_batches(session, micros) == [False] * 3
+    assert skipped_micro_batches(session, [_micro([0.0, 0.0])] * 3) == [False] * 3
 
 
 @pytest.mark.slow  # torchrun with 2 ranks
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
 def test_two_ranks_agree_on_what_they_skip(tmp_path, subprocess_env, backend):
     """Rank 0's micro-batches are all zero, rank 1's are not (step 1), then both all zero (step 2):
-    no hang, both ranks skip the same micro-batches, and the weights equal the unskipped 2-rank run's."""
+    no hang, both ranks skip the same micro-batches, the weights after step 1 equal the unskipped
+    2-rank run's, and the empty step 2 leaves them as they were on both ranks (the unskipped run moves)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "trainer" / "skip_worker.py"), str(tmp_path), backend]
     proc = subprocess.run(cmd, env=subprocess_env, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -134,9 +168,9 @@ def test_two_ranks_agree_on_what_they_skip(tmp_path, subprocess_env, backend):
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     result = json.loads(lines[-1])
     # step 1: rank 0 [0 0 0 0], rank 1 [0 1 1 0] -> micro-batches 0 and 3 skipped on both (the sync on 2);
-    # step 2: all zero everywhere -> 3 skipped
-    assert result["skipped"] == [[0, 3], [1, 2, 3]]
-    assert result["counts"] == [2.0, 3.0]
-    assert result["max_diff_vs_unskipped"] <= 1e-6
-    assert result["same_skips_on_ranks"] and result["max_diff_between_ranks"] == 0.0
-    assert result["moved"]
+    # step 2: all zero everywhere -> the whole step
+    assert result["skipped"] == [[0, 3], [0, 1, 2, 3]] and result["same_skips_on_ranks"]
+    assert result["counts"] == [2.0, 4.0] and result["skipped_steps"] == [0, 1]
+    assert result["step1_diff_vs_unskipped"] <= 1e-6
+    assert not result["empty_step_moved"] and result["unskipped_empty_step_moved"]
+    assert result["max_diff_between_ranks"] == 0.0
