@@ -150,8 +150,12 @@ class RolloutContext:
 
     def __init__(self, task: Any, tokenizer: Any, generator: torch.Generator, device: torch.device,
                  max_new_tokens: int, policy_fn: Optional[Callable[[], torch.nn.Module]] = None,
-                 world: Any = None, engine_config: Any = None):
+                 world: Any = None, engine_config: Any = None,
+                 draw_examples: Optional[Callable[[], Sequence[Any]]] = None):
         self.engine_config = engine_config  # inference.EngineConfig for `engine`; None = its defaults
+        # this rank's next slice of the prompt stream, for an algorithm that samples more prompts in a step
+        # (dynamic sampling); every rank must call it equally often (None: no more prompts)
+        self.draw_examples = draw_examples
         self.world = world  # trainer.distributed.World, for batch-wide statistics (None: this process only)
         self.task = task
         self.tokenizer = tokenizer

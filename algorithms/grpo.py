@@ -45,6 +45,7 @@ from torch import nn
 from algorithms import losses
 from algorithms.advantages import SCALES, group_advantages
 from algorithms.base import Batch, PolicyTerms, RolloutContext, RowShape, StepOutput, TokenLogprobs, Traits
+from algorithms.dynamic_sampling import fill_groups
 from algorithms.rollouts import encode_prompt, rollout_batch, sample
 from algorithms.scoring import scatter_tokens, student_features
 from algorithms.teacher import SelfTeacher
@@ -53,7 +54,31 @@ from models.lora import LoRAOptions, train_all_or_lora
 from tasks import score
 
 LOSS_TYPES = ("token-mean", "seq-mean-token-mean", "dr_grpo")
+
+
+@dataclass
+class Scored:
+    """One completion's reward and the verifier's verdicts."""
+
+    reward: float  # the training reward (0 when the reward function gave none)
+    valid: bool  # the reward function gave a value
+    correct: float  # the final answer is right
+    steps: float  # right answer through right working
+    has_answer: float  # states a final answer the verifier reads
+
+
+@dataclass
+class Group:
+    """One prompt's G completions in a round of dynamic sampling."""
+
+    example: Any
+    prompt: list[int]
+    outs: list[Any]
+    scored: list[Scored]
+    spread: bool
+    generated_tokens: int
 REWARD_MODES = ("answer", "steps", "partial")
+DYNAMIC_METRICS = ("reward", "correct")
 
 
 @dataclass
@@ -75,6 +100,10 @@ class GRPOConfig(LoRAOptions):
     loss_type: str = "token-mean"  # token-mean | seq-mean-token-mean | dr_grpo
     loss_chunk_tokens: int = 0  # tokens per logits chunk; 0 = from the vocabulary size
     logprob_batch_size: int = 32  # rows per no-grad forward for old / reference log-probs
+    # dynamic sampling: train only groups whose rewards spread, sampling more prompts to fill the batch
+    dynamic_sampling: bool = False
+    dynamic_max_rounds: int = 4  # generation rounds per step at most, the first included
+    dynamic_metric: str = "reward"  # the spread that counts: reward (the training reward) | correct (the answer)
     seed: int = 0
 
     def validate(self) -> None:
@@ -97,6 +126,10 @@ class GRPOConfig(LoRAOptions):
             raise ValueError(f"algo.num_iterations={self.num_iterations} must be >= 1")
         if self.beta < 0 or self.advantage_eps < 0 or self.loss_chunk_tokens < 0 or self.lora_rank < 0:
             raise ValueError("algo.beta, algo.advantage_eps, algo.loss_chunk_tokens and algo.lora_rank must be >= 0")
+        if self.dynamic_max_rounds < 1:
+            raise ValueError(f"algo.dynamic_max_rounds={self.dynamic_max_rounds} must be >= 1")
+        if self.dynamic_metric not in DYNAMIC_METRICS:
+            raise ValueError(f"algo.dynamic_metric={self.dynamic_metric} is not one of {', '.join(DYNAMIC_METRICS)}")
         if self.logprob_batch_size <= 0:
             raise ValueError(f"algo.logprob_batch_size={self.logprob_batch_size} must be > 0")
         if self.reward_fn is not None:
@@ -188,10 +221,20 @@ class GRPO:
             self._reuse.metrics = {**self._reuse.metrics, "grpo/iteration": torch.tensor(float(self._iteration))}
             return self._reuse
         tok, task, g = ctx.tokenizer, ctx.task, c.num_generations
-        prompts = [encode_prompt(tok, task.prompt(ex)) for ex in examples]
+        fill = None
+        if c.dynamic_sampling:  # only groups whose rewards spread, more prompts sampled to fill the batch
+            groups, fill = fill_groups(examples, ctx.draw_examples, lambda exs: self._groups(exs, ctx),
+                                       c.dynamic_max_rounds, ctx.world)
+            examples = [gr.example for gr in groups]
+            prompts = [gr.prompt for gr in groups]
+            outs = [o for gr in groups for o in gr.outs]
+            scored = [x for gr in groups for x in gr.scored]
+        else:
+            prompts = [encode_prompt(tok, task.prompt(ex)) for ex in examples]
+            outs = sample(ctx, [p for p in prompts for _ in range(g)], c.temperature, c.top_p)
+            scored = self.score([ex for ex in examples for _ in range(g)], outs, tok, task)
         rows = [p for p in prompts for _ in range(g)]  # prompt-major: rows b*G .. b*G+G-1
-        outs = sample(ctx, rows, c.temperature, c.top_p)
-        rewards, valid, metrics = self.rewards([ex for ex in examples for _ in range(g)], outs, tok, task)
+        rewards, valid, metrics = self.reward_metrics(scored)
         adv, zero_std = group_advantages(rewards, valid, g, c.advantage_eps, c.scale_rewards, ctx.world)
         batch = rollout_batch(rows, outs, tok.pad_token_id, ctx.device,
                               [f"{ex.uid}/{k}" for ex in examples for k in range(g)])
@@ -213,35 +256,59 @@ class GRPO:
         batch.metrics = {**metrics, "grpo/frac_zero_std": zero_std.float().mean(),
                          "grpo/advantage_abs": adv.abs().mean(), "rollout/length": lengths.mean(),
                          "grpo/empty_completions": (lengths == 0).float().mean()}
+        if fill is not None:
+            batch.metrics.update(fill.metrics(int(lengths.sum())))
         if c.num_iterations > 1:
             self._reuse, self._iteration = batch, 1
             batch.metrics["grpo/iteration"] = torch.tensor(1.0)
         return batch
 
-    def rewards(self, examples: Sequence[Any], outs: Sequence[Any], tok: Any, task: Any
-                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """(rewards (N,), valid (N,) bool, metrics) for completions paired with their examples."""
+    def _groups(self, examples: Sequence[Any], ctx: RolloutContext) -> list["Group"]:
+        """One generation round of dynamic sampling: each example's G completions, scored, and whether
+        their `dynamic_metric` spreads."""
+        c, tok, task, g = self.cfg, ctx.tokenizer, ctx.task, self.cfg.num_generations
+        prompts = [encode_prompt(tok, task.prompt(ex)) for ex in examples]
+        outs = sample(ctx, [p for p in prompts for _ in range(g)], c.temperature, c.top_p)
+        scored = self.score([ex for ex in examples for _ in range(g)], outs, tok, task)
+        groups = []
+        for b, (ex, prompt) in enumerate(zip(examples, prompts)):
+            mine = scored[b * g:(b + 1) * g]
+            values = [s.reward if c.dynamic_metric == "reward" else s.correct for s in mine if s.valid]
+            groups.append(Group(ex, prompt, outs[b * g:(b + 1) * g], mine, spread=len(set(values)) > 1,
+                                generated_tokens=sum(len(o.tokens) for o in outs[b * g:(b + 1) * g])))
+        return groups
+
+    def score(self, examples: Sequence[Any], outs: Sequence[Any], tok: Any, task: Any) -> list["Scored"]:
+        """Each completion's reward (None-safe: `valid` False when the reward function gave none) and the
+        verifier's verdicts, for completions paired with their examples."""
         c = self.cfg
-        rewards, valid, correct, right_working, formatted = [], [], [], [], []
-        for ex, out in zip(examples, outs):
-            text = tok.decode(out.tokens, skip_special_tokens=True)
+        out = []
+        for ex, o in zip(examples, outs):
+            text = tok.decode(o.tokens, skip_special_tokens=True)
             result = task.verify(ex, text)
             value = self.reward_fn(ex, text) if self.reward_fn is not None else score(result, c.reward_mode)
             has_answer = result.answer is not None
             if value is not None and not math.isfinite(float(value)):
                 value = None
-            valid.append(value is not None)
-            rewards.append((float(value) if value is not None else 0.0) + c.format_weight * has_answer)
-            correct.append(float(result.correct))
-            right_working.append(score(result, "steps"))
-            formatted.append(float(has_answer))
-        valid_t, rewards_t = torch.tensor(valid, dtype=torch.bool), torch.tensor(rewards)
+            out.append(Scored((float(value) if value is not None else 0.0) + c.format_weight * has_answer,
+                              value is not None, float(result.correct), score(result, "steps"), float(has_answer)))
+        return out
+
+    def rewards(self, examples: Sequence[Any], outs: Sequence[Any], tok: Any, task: Any
+                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(rewards (N,), valid (N,) bool, metrics) for completions paired with their examples."""
+        return self.reward_metrics(self.score(examples, outs, tok, task))
+
+    @staticmethod
+    def reward_metrics(scored: Sequence["Scored"]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        valid_t = torch.tensor([s.valid for s in scored], dtype=torch.bool)
+        rewards_t = torch.tensor([s.reward for s in scored])
         n_valid = valid_t.sum().clamp(min=1)
         metrics = {"rollout/reward": (rewards_t * valid_t).sum() / n_valid,
                    "grpo/reward_none": (~valid_t).float().mean(),
-                   "grpo/answer_correct": torch.tensor(correct).mean(),
-                   "grpo/steps_correct": torch.tensor(right_working).mean(),
-                   "grpo/has_answer": torch.tensor(formatted).mean()}
+                   "grpo/answer_correct": torch.tensor([s.correct for s in scored]).mean(),
+                   "grpo/steps_correct": torch.tensor([s.steps for s in scored]).mean(),
+                   "grpo/has_answer": torch.tensor([s.has_answer for s in scored]).mean()}
         return rewards_t, valid_t, metrics
 
     # --- loss -----------------------------------------------------------------------------------

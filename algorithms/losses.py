@@ -309,4 +309,9 @@ def chunked_token_logprobs(features: Tensor, head: Optional[Head], targets: Tens
     for start in range(0, targets.shape[0], chunk):
         args = (features[start: start + chunk], head, targets[start: start + chunk], temperature)
         parts.append(checkpoint(_token_logp_chunk, *args, use_reentrant=False) if grad else _token_logp_chunk(*args))
-    return torch.cat(parts) if parts else features.new_zeros(0, dtype=torch.float32)
+    if not parts:  # no token: an empty result still tied to the features and the head, so a backward through
+        # it gives every parameter a (zero) gradient -- a rank whose micro-batch trains nothing still joins the
+        # data-parallel gradient reduction
+        anchor = features.sum() * 0 + (head[0].sum() * 0 if head is not None else 0)
+        return anchor.float().expand(0)
+    return torch.cat(parts)

@@ -121,7 +121,8 @@ def fit(s: Session) -> str:
 
 def rollout_context(s: Session) -> RolloutContext:
     return RolloutContext(s.task, s.tokenizer, s.generator, s.world.device, s.cfg.trainer.max_new_tokens,
-                          policy_fn=s.backend.full_model, world=s.world, engine_config=engine_config(s.cfg.trainer))
+                          policy_fn=s.backend.full_model, world=s.world, engine_config=engine_config(s.cfg.trainer),
+                          draw_examples=s.stream.next_batch)
 
 
 def engine_config(t) -> EngineConfig:
