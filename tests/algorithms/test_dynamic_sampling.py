@@ -104,6 +104,7 @@ def test_two_ranks_stay_in_step_when_one_needs_more_rounds(tmp_path, subprocess_
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
            *tiny_overrides(out, "trainer.max_steps=3", "trainer.max_new_tokens=12", "algo.num_generations=4",
                            "algo.dynamic_sampling=true", "algo.dynamic_max_rounds=5", "algo.dynamic_metric=reward",
+                           "algo.retire_after=2",
                            "algo.reward_fn=test_dynamic_sampling:spread_on_rank_zero_slices", algo="grpo")]
     env = dict(subprocess_env, PYTHONPATH=f"{ROOT / 'tests' / 'algorithms'}:{subprocess_env['PYTHONPATH']}")
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -112,9 +113,40 @@ def test_two_ranks_stay_in_step_when_one_needs_more_rounds(tmp_path, subprocess_
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:  # metrics are means over the ranks: each rank reports its own rounds
         assert r["rollout/generation_rounds"] >= 1 and "rollout/groups_filtered" in r
+        assert r["rollout/retired_unsolved"] >= 0 and "rollout/retired_skipped" in r
         assert r["rollout/generated_per_trained_token"] >= 1.0
     assert any(r["rollout/generation_rounds"] > 1 for r in records)
     # the ranks needed different numbers of rounds in some step (a mean of 4 and 5 is 4.5), and still
     # every group trained had reward spread
     assert any(r["rollout/generation_rounds"] % 1 == 0.5 for r in records)
     assert all(r["grpo/frac_zero_std"] == 0.0 for r in records)
+
+
+def test_prompts_solved_or_failed_every_time_are_retired_and_not_sampled_again():
+    model, tok = tiny()
+    task = arith()
+    a, b, c, d = task.train_examples()[:4]
+    outcome = {a.uid: [1.0, 1.0], b.uid: [0.0, 0.0], c.uid: [1.0, 0.0], d.uid: [0.0, 1.0]}
+    algo = GRPO(GRPOConfig(num_generations=2, dynamic_sampling=True, dynamic_max_rounds=1, retire_after=2))
+    seen = []
+
+    def score(exs, outs, tok_, task_):  # a: always solved, b: never, c / d: mixed (spread, trained)
+        seen.extend(ex.uid for ex in exs[::2])
+        return [Scored(outcome[ex.uid][k % 2], True, outcome[ex.uid][k % 2], 0.0, 1.0) for k, ex in enumerate(exs)]
+
+    algo.score = score
+    ctx = RolloutContext(task, tok, torch.Generator().manual_seed(0), torch.device("cpu"), 6, policy_fn=lambda: model)
+    first = algo.make_batch([a, b, c, d], ctx)
+    assert algo.retired == {} and first.metrics["rollout/retired_solved"].item() == 0
+    second = algo.make_batch([a, b, c, d], ctx)  # the second visit in a row retires a and b
+    assert algo.retired == {a.uid: "solved", b.uid: "unsolved"}
+    assert second.metrics["rollout/retired_solved"].item() == 1 and second.metrics["rollout/retired_unsolved"].item() == 1
+    seen.clear()
+    third = algo.make_batch([a, b, c, d], ctx)
+    assert seen == [c.uid, d.uid] and third.metrics["rollout/retired_skipped"].item() == 2  # not generated again
+    restored = GRPO(GRPOConfig(num_generations=2, dynamic_sampling=True, retire_after=2))
+    restored.load_state_dict(algo.state_dict())
+    restored.load_rank_state_dict(algo.rank_state_dict())
+    assert restored.retired == algo.retired and restored.streaks == algo.streaks
+    with pytest.raises(ValueError, match="algo.retire_after=2 must be >= 0, and > 0 only with algo.dynamic_sampling"):
+        GRPOConfig(retire_after=2).validate()
