@@ -35,6 +35,7 @@ from torch import nn
 
 from algorithms import losses
 from algorithms.advantages import SCALES, group_advantages
+from algorithms.dynamic_sampling import fill_groups
 from algorithms.base import Batch, PolicyTerms, RolloutContext, StepOutput, Traits
 from algorithms.rollouts import encode, encode_prompt, rollout_batch
 from algorithms.scoring import scatter_tokens, student_features
@@ -71,6 +72,8 @@ class CLMConfig(LoRAOptions):
     reuse_reforward: int = 16
     reuse_min_gain: int = 32
     loss_chunk_tokens: int = 0  # tokens per logits chunk; 0 = from the vocabulary size
+    dynamic_sampling: bool = False  # train only episode groups with a learning signal, playing more tasks to fill
+    dynamic_max_rounds: int = 4  # rounds of episodes per step at most, the first included
     seed: int = 0
 
     def validate(self) -> None:
@@ -82,6 +85,8 @@ class CLMConfig(LoRAOptions):
             raise ValueError(f"algo.top_p={self.top_p} must be in (0, 1]")
         if self.w_eff < 0:
             raise ValueError(f"algo.w_eff={self.w_eff} must be >= 0")
+        if self.dynamic_max_rounds < 1:
+            raise ValueError(f"algo.dynamic_max_rounds={self.dynamic_max_rounds} must be >= 1")
         if self.scale_rewards not in SCALES:
             raise ValueError(f"algo.scale_rewards={self.scale_rewards} is not one of {', '.join(SCALES)}")
         if not (0.0 <= self.epsilon_low < 1.0 and self.epsilon_high >= 0.0):
@@ -120,6 +125,30 @@ def efficiency_advantages(compute: torch.Tensor, success: torch.Tensor, group_si
     mean = (c * ok).sum(1, keepdim=True) / n.clamp(min=1)
     a = ((mean - c) / mean.clamp(min=1e-12)).clamp(-1.0, 1.0) * ok
     return torch.where(n < 2, torch.zeros_like(a), a).view(-1).float()
+
+
+@dataclass
+class EpisodeGroup:
+    """One task's G episodes in a round of dynamic sampling."""
+
+    trajs: list[Any]
+    spread: bool  # a learning signal: success differs within the group, or the successes' compute does
+    generated_tokens: int
+
+
+def episode_groups(trajs: Sequence[Any], group_size: int) -> list[EpisodeGroup]:
+    """Consecutive groups of `group_size` episodes, each with whether its advantages can be non-zero:
+    the successes of its valid episodes differ (the task term), or at least two succeeded with
+    different compute (the efficiency term)."""
+    out = []
+    for start in range(0, len(trajs), group_size):
+        mine = list(trajs[start:start + group_size])
+        valid = [t for t in mine if t.valid]
+        task = len({bool(t.success) for t in valid}) > 1
+        efficiency = len({t.compute for t in valid if t.success}) > 1
+        tokens = sum(len(call.completion.tokens) for t in mine for call in t.calls)
+        out.append(EpisodeGroup(mine, task or efficiency, tokens))
+    return out
 
 
 def call_advantages(task_adv: torch.Tensor, eff_adv: torch.Tensor, episode_of_call: torch.Tensor,
@@ -291,9 +320,20 @@ class CLM:
         c, g, tok = self.cfg, self.cfg.num_generations, ctx.tokenizer
         params = SamplingParams(max_new_tokens=ctx.max_new_tokens, temperature=c.temperature, top_p=c.top_p,
                                 stop_token_ids=(tok.eos_token_id,))
-        episodes = [ex for ex in examples for _ in range(g)]  # task-major: episodes b*G .. b*G+G-1
-        trajs = play_episodes(self.engine(ctx.policy, ctx.engine_config), tok, ctx.task, episodes, params,
-                              c.max_calls, c.budget, ctx.generator)
+        engine = self.engine(ctx.policy, ctx.engine_config)
+
+        def play(exs: Sequence[Any]) -> list[Any]:
+            episodes = [ex for ex in exs for _ in range(g)]  # task-major: episodes b*G .. b*G+G-1
+            return play_episodes(engine, tok, ctx.task, episodes, params, c.max_calls, c.budget, ctx.generator)
+
+        fill = None
+        if c.dynamic_sampling:  # only groups with a signal (success differs, or efficiency among successes)
+            groups, fill = fill_groups(examples, ctx.draw_examples, lambda exs: episode_groups(play(exs), g),
+                                       c.dynamic_max_rounds, ctx.world)
+            trajs = [t for gr in groups for t in gr.trajs]
+            examples = [gr.trajs[0].episode for gr in groups]
+        else:
+            trajs = play(examples)
         for t in trajs:
             if t.error is not None:
                 warnings.warn(f"clm: episode {t.episode.uid} skipped: {t.error}", stacklevel=2)
@@ -322,6 +362,8 @@ class CLM:
                          "clm/advantage_abs": task_adv.abs().mean(), "clm/efficiency_abs": eff_adv.abs().mean(),
                          "rollout/reward": rewards.mean(),
                          "rollout/length": torch.tensor(sum(lengths) / max(len(lengths), 1))}
+        if fill is not None:
+            batch.metrics.update(fill.metrics(int(sum(lengths))))
         return batch
 
     # --- loss -------------------------------------------------------------------------------------

@@ -215,3 +215,20 @@ def test_a_zero_weight_filler_micro_batch_adds_nothing(tiny):
     real.loss.backward()
     assert any(p.grad.abs().max().item() > 0 for p in model.parameters())  # the same row unmasked does train
     model.zero_grad()
+
+
+def test_episode_groups_have_a_signal_when_success_or_the_successes_compute_differ():
+    from types import SimpleNamespace
+
+    from algorithms.clm import episode_groups
+
+    def t(success, compute, valid=True):
+        call = SimpleNamespace(completion=SimpleNamespace(tokens=[1, 2, 3]))
+        return SimpleNamespace(success=success, compute=compute, valid=valid, calls=[call])
+
+    groups = episode_groups([t(1, 10), t(0, 10),      # success differs
+                             t(1, 10), t(1, 30),      # both succeed, different compute: efficiency signal
+                             t(1, 10), t(1, 10),      # both succeed alike: nothing
+                             t(0, 10), t(1, 20, valid=False)], 2)  # the success is an invalid episode
+    assert [g.spread for g in groups] == [True, True, False, False]
+    assert [g.generated_tokens for g in groups] == [6, 6, 6, 6]
