@@ -20,13 +20,17 @@ GRPO = ["trainer.max_new_tokens=24", "trainer.max_steps=2", "trainer.batch_size=
     ["trainer.prompt_sharing=true", "trainer.activations=hilore", "algo.loss_type=seq-mean-token-mean"],
 ], ids=["plain", "sharing-hilore"])
 def test_torchrun_two_ranks_end_to_end(tmp_path, subprocess_env, extra):
+    # a dense reward (the completion's length), so the random-init model's groups have spread and every
+    # step trains (with the verifier's reward it scores 0 everywhere and every step is empty: skipped)
+    env = dict(subprocess_env, PYTHONPATH=f"{ROOT / 'tests' / 'algorithms'}:{subprocess_env['PYTHONPATH']}")
     out = tmp_path / "run"
-    lines = torchrun_train(out, subprocess_env, *GRPO, *extra, algo="grpo")[:-1]
+    lines = torchrun_train(out, env, *GRPO, *extra, "algo.reward_fn=test_grpo:length_reward", algo="grpo")[:-1]
     train = [x for x in lines if x["split"] == "train"]
     assert [x["step"] for x in train] == [1, 2]
     for x in train:
         assert {"rollout/reward", "grpo/frac_zero_std", "grpo/clip_low"} <= set(x)
         assert x["rollout/logprob_gap"] < 1e-3  # trainer log-probs == the engine's sampling log-probs
+        assert x["train/skipped_steps"] == 0
     if extra:
         assert all("activations/recompute_units" in x for x in train)
     assert [x["step"] for x in lines if x["split"] == "eval"] == [0, 2]
