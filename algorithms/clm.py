@@ -368,6 +368,13 @@ class CLM:
 
     # --- loss -------------------------------------------------------------------------------------
 
+    def zero_loss(self, micro: Batch) -> bool:
+        """True when no loss token of `micro` sits in a call row with a non-zero advantage: the clipped
+        term is then exactly 0 with a zero gradient (there is no KL term), so the trainer skips the
+        micro-batch, and a step where every micro-batch is so skips its optimizer step."""
+        live = micro.loss_mask.bool() & (micro.policy.advantages != 0).unsqueeze(1)
+        return not bool(live.any())
+
     def loss(self, model: nn.Module, micro: Batch, normaliser: torch.Tensor) -> StepOutput:
         c, sel = self.cfg, micro.loss_mask.bool()
         feats, head = student_features(model, micro.input_ids, micro.attention_mask)

@@ -232,3 +232,15 @@ def test_episode_groups_have_a_signal_when_success_or_the_successes_compute_diff
                              t(0, 10), t(1, 20, valid=False)], 2)  # the success is an invalid episode
     assert [g.spread for g in groups] == [True, True, False, False]
     assert [g.generated_tokens for g in groups] == [6, 6, 6, 6]
+
+
+def test_zero_loss_is_true_exactly_when_no_trained_token_has_an_advantage():
+    from algorithms.base import Batch, PolicyTerms, capabilities
+    from algorithms.clm import CLM, CLMConfig
+
+    algo = CLM(CLMConfig())
+    assert capabilities(algo).zero_loss is not None
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
+    micro = lambda adv: Batch(torch.ones_like(mask), torch.ones_like(mask), mask,  # noqa: E731
+                              policy=PolicyTerms(torch.tensor(adv)))
+    assert algo.zero_loss(micro([0.0, 0.0])) and not algo.zero_loss(micro([0.0, 0.3]))
