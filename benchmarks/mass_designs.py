@@ -31,14 +31,18 @@ TABLE = ROOT / "docs" / "results" / "mass_designs.md"
 DESIGN_BUDGET = ["trainer.max_steps=100", "trainer.eval_every=50", "trainer.lr=1e-4"]  # the design comparison
 
 # name -> overrides; every other key at its default
-DESIGNS = {
+DESIGNS = {  # the rows of docs/mass.md "Choosing the aggregate and the gate"
     "opsd": ["+algo=opsd"],
-    "mass-nogate": ["+algo=mass", "algo.gate=false"],
-    "mass-agreement-q0.8": ["+algo=mass", "algo.gate_support=0", "algo.gate_margin=0", "algo.gate_agreement_quantile=0.8"],
-    "mass-gate": ["+algo=mass"],
-    "mass-gate-fullview": ["+algo=mass", "algo.full_view=true"],
-    "mass-gate-geometric": ["+algo=mass", "algo.aggregate=geometric"],
-    "mass-gate-backed": ["+algo=mass", "algo.aggregate=backed"],
+    "mass-agreement-q0.8": ["+algo=mass", "algo.aggregate=mean", "algo.gate_margin=0", "algo.gate_support=0",
+                            "algo.gate_agreement_quantile=0.8"],
+    "mass-nogate-mean": ["+algo=mass", "algo.aggregate=mean", "algo.gate=false"],
+    "mass-nogate-geometric": ["+algo=mass", "algo.gate=false"],
+    "mass-margin0.05-mean": ["+algo=mass", "algo.aggregate=mean", "algo.gate_margin=0.05"],
+    "mass-margin0.05-mean-fullview": ["+algo=mass", "algo.aggregate=mean", "algo.gate_margin=0.05", "algo.full_view=true"],
+    "mass-margin0.05-backed": ["+algo=mass", "algo.aggregate=backed", "algo.gate_margin=0.05"],
+    "mass-margin0.05-geometric": ["+algo=mass", "algo.gate_margin=0.05"],
+    "mass-margin0.01-geometric": ["+algo=mass", "algo.gate_margin=0.01"],
+    "mass-gate": ["+algo=mass"],  # the defaults: geometric, correction > 0, support 1/2
 }
 GROUPS = {
     "designs": [(f"arith-{name}-s0-lr1e-4", [*o, "seed=0", *DESIGN_BUDGET]) for name, o in DESIGNS.items()],
