@@ -22,9 +22,9 @@ GRPO = ["trainer.max_new_tokens=24", "trainer.max_steps=2", "trainer.batch_size=
 def test_torchrun_two_ranks_end_to_end(tmp_path, subprocess_env, extra):
     # a dense reward (the completion's length), so the random-init model's groups have spread and every
     # step trains (with the verifier's reward it scores 0 everywhere and every step is empty: skipped)
-    env = dict(subprocess_env, PYTHONPATH=f"{ROOT / 'tests' / 'algorithms'}:{subprocess_env['PYTHONPATH']}")
     out = tmp_path / "run"
-    lines = torchrun_train(out, env, *GRPO, *extra, "algo.reward_fn=test_grpo:length_reward", algo="grpo")[:-1]
+    lines = torchrun_train(out, subprocess_env, *GRPO, *extra, "algo.reward_fn=tests.rewards:length_reward",
+                           algo="grpo")[:-1]
     train = [x for x in lines if x["split"] == "train"]
     assert [x["step"] for x in train] == [1, 2]
     for x in train:
