@@ -382,9 +382,9 @@ class CLM:
         logp = losses.chunked_token_logprobs(feats[sel], head, micro.input_ids[sel], c.temperature, chunk)
         adv = micro.policy.advantages.unsqueeze(1).expand_as(sel)[sel]
         per_token = losses.clipped_policy_gradient(logp, logp.detach(), adv, c.epsilon_low, c.epsilon_high)
+        # no loss tokens (every episode refused, or a zero-weight filler micro-batch): the empty log-probs stay
+        # tied to every weight (losses.chunked_token_logprobs), so the zero loss still joins the gradient sync
         loss = per_token.sum() / normaliser
-        if not per_token.numel():  # no loss tokens (every episode refused, or a zero-weight filler micro-batch):
-            loss = feats.sum() * 0.0 + (head[0].sum() * 0.0 if head is not None else 0.0)  # zero, every weight in the graph
         metrics = {"clm/policy_loss": per_token.detach().float().mean() if per_token.numel()
                    else torch.zeros(())}
         return StepOutput(loss, metrics, scatter_tokens(logp, sel))

@@ -229,7 +229,7 @@ class GRPO:
             self._iteration += 1  # the same rollouts, one more optimizer step against the stored old log-probs
             self._reuse.metrics = {**self._reuse.metrics, "grpo/iteration": torch.tensor(float(self._iteration))}
             return self._reuse
-        tok, task, g = ctx.tokenizer, ctx.task, c.num_generations
+        tok, g = ctx.tokenizer, c.num_generations
         fill = None
         if c.dynamic_sampling:  # only groups whose rewards spread, more prompts sampled to fill the batch
             self._newly, self._skipped_retired = [], 0
@@ -239,14 +239,12 @@ class GRPO:
                 groups = self._groups(examples, ctx, skip_retired=False)
             if c.retire_after > 0:
                 self._share_retirements(ctx.world)
-            examples = [gr.example for gr in groups]
-            prompts = [gr.prompt for gr in groups]
-            outs = [o for gr in groups for o in gr.outs]
-            scored = [x for gr in groups for x in gr.scored]
         else:
-            prompts = [encode_prompt(tok, task.prompt(ex)) for ex in examples]
-            outs = sample(ctx, [p for p in prompts for _ in range(g)], c.temperature, c.top_p)
-            scored = self.score([ex for ex in examples for _ in range(g)], outs, tok, task)
+            groups = self._groups(examples, ctx, skip_retired=False)
+        examples = [gr.example for gr in groups]
+        prompts = [gr.prompt for gr in groups]
+        outs = [o for gr in groups for o in gr.outs]
+        scored = [x for gr in groups for x in gr.scored]
         rows = [p for p in prompts for _ in range(g)]  # prompt-major: rows b*G .. b*G+G-1
         rewards, valid, metrics = self.reward_metrics(scored)
         adv, zero_std = group_advantages(rewards, valid, g, c.advantage_eps, c.scale_rewards, ctx.world)
@@ -283,8 +281,8 @@ class GRPO:
         return batch
 
     def _groups(self, examples: Sequence[Any], ctx: RolloutContext, skip_retired: bool = True) -> list["Group"]:
-        """One generation round of dynamic sampling: each example's G completions, scored, and whether
-        their `dynamic_metric` spreads (retired prompts are skipped)."""
+        """Each example's G completions (one engine call), scored, and whether their `dynamic_metric`
+        spreads: the step's rollouts, or one round of dynamic sampling (retired prompts skipped)."""
         c, tok, task, g = self.cfg, ctx.tokenizer, ctx.task, self.cfg.num_generations
         if skip_retired and self.retired:
             live = [ex for ex in examples if ex.uid not in self.retired]
@@ -341,11 +339,6 @@ class GRPO:
             out.append(Scored((float(value) if value is not None else 0.0) + c.format_weight * has_answer,
                               value is not None, float(result.correct), score(result, "steps"), float(has_answer)))
         return out
-
-    def rewards(self, examples: Sequence[Any], outs: Sequence[Any], tok: Any, task: Any
-                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """(rewards (N,), valid (N,) bool, metrics) for completions paired with their examples."""
-        return self.reward_metrics(self.score(examples, outs, tok, task))
 
     @staticmethod
     def reward_metrics(scored: Sequence["Scored"]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:

@@ -52,8 +52,8 @@ from algorithms import losses
 from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms
 from algorithms.rollouts import encode, encode_prompt, require_references, rollout_batch, rollout_metrics, sample
 from algorithms.scoring import detached_head, predicting, teacher_hidden
-from algorithms.selfdistill import (SelfDistillConfig, self_teacher, check_self_distill_config, chunk_size, diagnoses_paths,
-                                    distill_loss, path_metrics)
+from algorithms.selfdistill import (SelfDistillConfig, check_self_distill_config, chunk_size, diagnoses_paths,
+                                    distill_loss, path_metrics, self_teacher)
 from models.anatomy import final_hidden
 from models.export import export_model
 from models.lora import train_all_or_lora

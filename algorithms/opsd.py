@@ -34,8 +34,8 @@ from torch import nn
 from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms
 from algorithms.rollouts import encode_prompt, require_references, rollout_batch, rollout_metrics, sample
 from algorithms.scoring import detached_head, teacher_hidden
-from algorithms.selfdistill import (SelfDistillConfig, self_teacher, diagnoses_paths, distill_loss, path_metrics,
-                                    reference_teacher_tops)
+from algorithms.selfdistill import (SelfDistillConfig, diagnoses_paths, distill_loss, path_metrics,
+                                    reference_teacher_tops, self_teacher)
 from models.export import export_model
 from models.lora import train_all_or_lora
 

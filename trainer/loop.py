@@ -172,10 +172,15 @@ def train_step(s: Session, batch: Batch) -> dict:
         metric_sums.update({k: v.detach().float().cpu() for k, v in s.activations.metrics().items()})
     if gaps:  # the rollout-vs-trainer log-prob gap: must stay ~0 for on-policy algorithms
         metric_sums["rollout/logprob_gap"] = torch.stack(gaps).mean()
+    return _train_record(s, batch, loss_sum, metric_sums, grad_norm)
+
+
+def _train_record(s: Session, batch: Batch, loss_sum: torch.Tensor, metrics: dict, grad_norm: float) -> dict:
+    """The step's train record: loss and metrics averaged over the ranks, the global token count."""
     local_tokens = batch.attention_mask.sum().cpu()
-    reduced = _mean_over_ranks(world, {"loss": loss_sum, "tokens": local_tokens, **metric_sums})
-    tokens = round(reduced.pop("tokens") * world.size)
-    record = {"step": s.step, "split": "train", **reduced, "grad_norm": grad_norm, "lr": backend.lr, "tokens": tokens}
+    reduced = _mean_over_ranks(s.world, {"loss": loss_sum, "tokens": local_tokens, **metrics})
+    tokens = round(reduced.pop("tokens") * s.world.size)
+    record = {"step": s.step, "split": "train", **reduced, "grad_norm": grad_norm, "lr": s.backend.lr, "tokens": tokens}
     if s.caps.zero_loss is not None:
         record[SKIPPED_STEPS] = s.skipped_steps
     return record
@@ -190,11 +195,7 @@ def _empty_step(s: Session, batch: Batch, micro_batches: int) -> dict:
     s.skipped_steps += 1
     metrics = {k: v.detach().float().cpu() for k, v in batch.metrics.items()}
     metrics[f"{s.algo.name}/skipped_micro_batches"] = torch.tensor(float(micro_batches))
-    local_tokens = batch.attention_mask.sum().cpu()
-    reduced = _mean_over_ranks(s.world, {"loss": torch.zeros(()), "tokens": local_tokens, **metrics})
-    tokens = round(reduced.pop("tokens") * s.world.size)
-    return {"step": s.step, "split": "train", **reduced, "grad_norm": 0.0, "lr": s.backend.lr, "tokens": tokens,
-            SKIPPED_STEPS: s.skipped_steps}
+    return _train_record(s, batch, torch.zeros(()), metrics, 0.0)
 
 
 def skipped_micro_batches(s: Session, micros: list[Batch]) -> list[bool]:

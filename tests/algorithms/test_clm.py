@@ -244,3 +244,19 @@ def test_zero_loss_is_true_exactly_when_no_trained_token_has_an_advantage():
     micro = lambda adv: Batch(torch.ones_like(mask), torch.ones_like(mask), mask,  # noqa: E731
                               policy=PolicyTerms(torch.tensor(adv)))
     assert algo.zero_loss(micro([0.0, 0.0])) and not algo.zero_loss(micro([0.0, 0.3]))
+
+
+def test_a_micro_batch_without_loss_tokens_gives_every_weight_a_zero_gradient():
+    """A zero-weight filler (no loss token) still backpropagates into every parameter, so a rank with
+    fewer rows joins the data-parallel gradient sync."""
+    from algorithms.base import Batch, PolicyTerms
+    from algorithms.clm import CLM, CLMConfig
+    from models.loading import TinySpec, build_tiny
+
+    model, _ = build_tiny(TinySpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64), seed=0)
+    ids = torch.tensor([[1, 2, 3]])
+    micro = Batch(ids, torch.ones_like(ids), torch.zeros_like(ids), policy=PolicyTerms(torch.zeros(1)))
+    out = CLM(CLMConfig()).loss(model, micro, torch.tensor(1.0))
+    out.loss.backward()
+    assert out.loss.item() == 0.0
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters() if p.requires_grad)
