@@ -74,6 +74,9 @@ def generalized_jsd(student_logp: Tensor, teacher_logp: Tensor, beta: float) -> 
     return beta * kl(teacher_logp, mix) + (1.0 - beta) * kl(student_logp, mix)
 
 
+AGGREGATES = ("mean", "geometric", "backed", "confident")
+
+
 def aggregate_views(view_logp: Tensor, mode: str = "mean") -> Tensor:
     """One teacher distribution from K view-conditioned teachers. view_logp (K, ..., V) -> (..., V).
 
@@ -81,9 +84,13 @@ def aggregate_views(view_logp: Tensor, mode: str = "mean") -> Tensor:
     geometric: log_softmax((1/K) sum_k log p_k) -- the normalised geometric mean.
     backed:    the mean over the views that back the mean's top token (their own top is that token):
                views whose masked reference lost the information the token needs drop out there.
+    confident: log_softmax(sum_k w_k log p_k), w = softmax_k(-H_k) with H_k the entropy of view k in
+               nats: a geometric mean in which a view counts by its confidence, so the views that kept
+               the information a token needs outweigh those that lost it with their masked spans (one
+               nat more entropy is e times less weight), and the aggregate stays as sharp as they are.
     One view is returned as it is, whatever the mode.
     """
-    if view_logp.shape[0] == 1 and mode in ("mean", "geometric", "backed"):
+    if view_logp.shape[0] == 1 and mode in AGGREGATES:
         return view_logp[0]
     if mode == "mean":
         return torch.logsumexp(view_logp, dim=0) - math.log(view_logp.shape[0])
@@ -95,7 +102,11 @@ def aggregate_views(view_logp: Tensor, mode: str = "mean") -> Tensor:
         backs = backs | ~backs.any(0, keepdim=True)  # no view backs it (a mean's top no view has): all count
         masked = view_logp.masked_fill(~backs.unsqueeze(-1), float("-inf"))
         return torch.logsumexp(masked, dim=0) - backs.sum(0).unsqueeze(-1).to(view_logp.dtype).log()
-    raise ValueError(f"unknown view aggregation {mode!r}; expected 'mean', 'geometric' or 'backed'")
+    if mode == "confident":
+        entropy = -(view_logp.exp() * view_logp.clamp(min=torch.finfo(view_logp.dtype).min)).sum(-1)  # (K, ...)
+        weights = torch.softmax(-entropy, dim=0).unsqueeze(-1)
+        return torch.log_softmax((weights * view_logp.clamp(min=torch.finfo(view_logp.dtype).min)).sum(0), dim=-1)
+    raise ValueError(f"unknown view aggregation {mode!r}; expected one of {', '.join(AGGREGATES)}")
 
 
 def view_disagreement(view_logp: Tensor) -> Tensor:

@@ -73,7 +73,7 @@ class MASSConfig(SelfDistillConfig):
     full_view: bool = False  # the first view is always the whole reference (the others are masked draws)
     span_unit: str = "step"  # step (the task's solution steps) | sentence | tokens
     span_tokens: int = 16  # window size for span_unit=tokens
-    aggregate: str = "geometric"  # geometric (normalised mean of log-probs) | mean (of probabilities) | backed
+    aggregate: str = "geometric"  # geometric (normalised mean of log-probs) | mean (of probabilities) | backed | confident
     gate: bool = True
     gate_margin: float = 0.0  # keep tokens where the teacher's excess mass over the student exceeds this
     gate_support: float = 0.5  # ... and at least this share of the views has the aggregate's top token
@@ -93,8 +93,8 @@ class MASSConfig(SelfDistillConfig):
             raise ValueError(f"algo.mask_ratio={self.mask_ratio} must be in [0, 1]")
         if self.span_unit not in SPAN_UNITS:
             raise ValueError(f"algo.span_unit={self.span_unit} is not one of {', '.join(SPAN_UNITS)}")
-        if self.aggregate not in ("mean", "geometric", "backed"):
-            raise ValueError(f"algo.aggregate={self.aggregate} is not one of mean, geometric, backed")
+        if self.aggregate not in losses.AGGREGATES:
+            raise ValueError(f"algo.aggregate={self.aggregate} is not one of {', '.join(losses.AGGREGATES)}")
         if not 0.0 <= self.gate_support <= 1.0:
             raise ValueError(f"algo.gate_support={self.gate_support} must be in [0, 1]")
         if not 0.0 < self.gate_agreement_quantile <= 1.0:

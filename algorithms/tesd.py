@@ -35,6 +35,7 @@ from torch import nn
 
 from algorithms import losses
 from algorithms.base import Batch, PolicyTerms, RolloutContext, StepOutput, TeacherTerms, pad_right
+from algorithms.dynamic_sampling import fill_groups
 from algorithms.rollouts import completion_mask, encode, encode_prompt, require_references, rollout_batch, sample
 from algorithms.scoring import detached_head, predicting, scatter_tokens, student_features, teacher_hidden
 from algorithms.selfdistill import (SelfDistillConfig, check_self_distill_config, diagnoses_paths, distill_terms,
@@ -47,6 +48,7 @@ from tasks import score
 STUDENT, TEACHER = 0, 1  # loss groups
 RELIABILITY_BINS = 5
 REWARD_MODES = ("answer", "steps", "partial")
+DYNAMIC_METRICS = ("correct", "reward")
 
 
 @dataclass
@@ -63,6 +65,11 @@ class TESDConfig(SelfDistillConfig):
     phrase_penalty: float = 0.5
     clip_eps: float = 0.2
     advantage_eps: float = 1e-4
+    # dynamic sampling of the teacher term: train only teacher groups whose rewards spread, drawing more
+    # questions (teacher rollouts only) to fill it; the student term keeps the step's own questions
+    dynamic_sampling: bool = False
+    dynamic_max_rounds: int = 4  # generation rounds per step at most, the first included
+    dynamic_metric: str = "correct"  # correct (the verifier's score) | reward (+ independence: spreads almost always)
 
     def validate(self) -> None:
         check_self_distill_config(self)
@@ -72,6 +79,10 @@ class TESDConfig(SelfDistillConfig):
             raise ValueError(f"algo.teacher_rollouts={self.teacher_rollouts} must be >= 2 (group-relative advantages)")
         if self.reward_mode not in REWARD_MODES:
             raise ValueError(f"algo.reward_mode={self.reward_mode} is not one of {', '.join(REWARD_MODES)}")
+        if self.dynamic_max_rounds < 1:
+            raise ValueError(f"algo.dynamic_max_rounds={self.dynamic_max_rounds} must be >= 1")
+        if self.dynamic_metric not in DYNAMIC_METRICS:
+            raise ValueError(f"algo.dynamic_metric={self.dynamic_metric} is not one of {', '.join(DYNAMIC_METRICS)}")
         if self.alpha < 0 or self.independence_weight < 0 or self.copy_ngram < 0:
             raise ValueError("algo.alpha, algo.independence_weight and algo.copy_ngram must be >= 0")
 
@@ -111,6 +122,20 @@ def mean_token_logprobs(model: nn.Module, prompts: list[list[int]], completions:
     return per_row.tolist()
 
 
+@dataclass
+class TeacherGroup:
+    """One question's G teacher rollouts under the privileged prompt, rewarded."""
+
+    example: Any
+    prompt: list[int]  # the privileged prompt
+    outs: list[Any]
+    rewards: torch.Tensor  # (G,) correctness + independence_weight x independence
+    correct: torch.Tensor  # (G,)
+    independence: torch.Tensor  # (G,)
+    spread: bool  # the dynamic_metric differs within the group
+    generated_tokens: int
+
+
 class TESD:
     name = "tesd"
 
@@ -131,11 +156,18 @@ class TESD:
         c, tok, task, g = self.cfg, ctx.tokenizer, ctx.task, self.cfg.teacher_rollouts
         plain = [encode_prompt(tok, task.prompt(ex)) for ex in examples]
         privileged = [encode_prompt(tok, task.teacher_prompt(ex, ex.solution)) for ex in examples]
-        teacher_prompts = [p for p in privileged for _ in range(g)]  # question-major: rows b*G .. b*G+G-1
-        outs = sample(ctx, plain + teacher_prompts, c.temperature, c.top_p)
-        student_outs, teacher_outs = outs[: len(plain)], outs[len(plain):]
-        rewards, parts = self._teacher_rewards(examples, plain, teacher_prompts, teacher_outs, ctx)  # (B*G,)
-        trust = reliability(rewards.view(-1, g), c.independence_weight)  # (B,)
+        outs = sample(ctx, plain + [p for p in privileged for _ in range(g)], c.temperature, c.top_p)  # one engine call
+        student_outs = outs[: len(plain)]
+        own = self._teacher_groups(examples, plain, privileged, outs[len(plain):], ctx)  # this step's questions
+        trust = reliability(torch.stack([grp.rewards for grp in own]), c.independence_weight)  # (B,)
+        fill = None
+        if c.dynamic_sampling:  # the teacher term trains groups whose rewards spread, drawing more questions
+            rounds = [own]
+            groups, fill = fill_groups(examples, ctx.draw_examples,
+                                       lambda exs: rounds.pop() if rounds else self._sample_teacher(exs, ctx),
+                                       c.dynamic_max_rounds, ctx.world)
+        else:
+            groups = own
 
         student = rollout_batch(plain, student_outs, tok.pad_token_id, ctx.device, [ex.uid for ex in examples])
         hidden = teacher_hidden(ctx.policy, [[p] for p in privileged], [o.tokens for o in student_outs],
@@ -143,39 +175,63 @@ class TESD:
                                 student.uids)
         student.teacher = TeacherTerms(hidden, detached_head(ctx.policy))
         student.token_weights = student.loss_mask.float() * trust.to(ctx.device).unsqueeze(1)
-        teacher = rollout_batch(teacher_prompts, teacher_outs, tok.pad_token_id, ctx.device,
-                                [f"{ex.uid}/teacher{k}" for ex in examples for k in range(g)])
+        teacher = rollout_batch([grp.prompt for grp in groups for _ in range(g)], [o for grp in groups for o in grp.outs],
+                                tok.pad_token_id, ctx.device,
+                                [f"{grp.example.uid}/teacher{k}" for grp in groups for k in range(g)])
+        rewards = torch.cat([grp.rewards for grp in groups])
         teacher.policy = PolicyTerms(losses.group_advantages(rewards, g, eps=c.advantage_eps).to(ctx.device))
         batch = join(student, teacher)
-        batch.metrics = {**parts, **_histogram(trust), "tesd/reliability": trust.mean(),
+        parts = {name: torch.cat([getattr(grp, name) for grp in own]).mean() for name in ("correct", "independence")}
+        batch.metrics = {"tesd/teacher_correct": parts["correct"], "tesd/independence": parts["independence"],
+                         "tesd/teacher_reward": torch.cat([grp.rewards for grp in own]).mean(),
+                         **_histogram(trust), "tesd/reliability": trust.mean(),
                          "rollout/reward": torch.tensor(self._mean_reward(task, tok, examples, student_outs))}
+        if fill is not None:
+            batch.metrics.update(fill.metrics(trained_tokens=int(teacher.loss_mask.sum())))
         if diagnoses_paths(c, task):
             batch.metrics.update(path_metrics(task, tok, examples, [o.tokens for o in student_outs], student,
                                               reference_teacher_tops(student, c)))
         return batch
 
+    def correctness(self, task: Any, example: Any, text: str) -> float:
+        """The verifier's score of one completion under `reward_mode` (tasks.score)."""
+        return score(task.verify(example, text), self.cfg.reward_mode)
+
     def _mean_reward(self, task, tok, examples, outs) -> float:
-        return sum(score(task.verify(ex, tok.decode(o.tokens, skip_special_tokens=True)), self.cfg.reward_mode)
+        return sum(self.correctness(task, ex, tok.decode(o.tokens, skip_special_tokens=True))
                    for ex, o in zip(examples, outs)) / max(len(outs), 1)
 
-    def _teacher_rewards(self, examples, plain, teacher_prompts, outs, ctx) -> tuple[torch.Tensor, dict]:
-        c, tok, task, g = self.cfg, ctx.tokenizer, ctx.task, self.cfg.teacher_rollouts
-        completions = [o.tokens for o in outs]
-        logp_plain = mean_token_logprobs(ctx.policy, [plain[i // g] for i in range(len(outs))], completions,
+    def _sample_teacher(self, examples: Sequence[Any], ctx: RolloutContext) -> list["TeacherGroup"]:
+        """One round of dynamic sampling: G teacher rollouts for each of `examples` (no student rollout)."""
+        tok, task, g = ctx.tokenizer, ctx.task, self.cfg.teacher_rollouts
+        plain = [encode_prompt(tok, task.prompt(ex)) for ex in examples]
+        privileged = [encode_prompt(tok, task.teacher_prompt(ex, ex.solution)) for ex in examples]
+        outs = sample(ctx, [p for p in privileged for _ in range(g)], self.cfg.temperature, self.cfg.top_p)
+        return self._teacher_groups(examples, plain, privileged, outs, ctx)
+
+    def _teacher_groups(self, examples, plain, privileged, outs, ctx) -> list["TeacherGroup"]:
+        """Each question's G teacher rollouts (question-major in `outs`) with their rewards: correctness +
+        independence_weight x context independence, and whether the `dynamic_metric` spreads."""
+        c, tok, g = self.cfg, ctx.tokenizer, self.cfg.teacher_rollouts
+        logp_plain = mean_token_logprobs(ctx.policy, [plain[i // g] for i in range(len(outs))], [o.tokens for o in outs],
                                          c.temperature, c.loss_chunk_tokens, ctx.device)  # 0: auto
-        correct, indep = [], []
-        for i, out in enumerate(outs):
-            ex = examples[i // g]
-            text = tok.decode(out.tokens, skip_special_tokens=True)
-            correct.append(score(task.verify(ex, text), c.reward_mode))
-            logp_priv = sum(out.logprobs) / max(len(out.logprobs), 1)
-            copied = copies_reference(out.tokens, encode(tok, ex.solution), c.copy_ngram)
-            mentions = any(p.lower() in text.lower() for p in c.reference_phrases)
-            indep.append(independence(logp_plain[i], logp_priv, copied, mentions, c))
-        correct_t, indep_t = torch.tensor(correct), torch.tensor(indep)
-        rewards = correct_t + c.independence_weight * indep_t
-        return rewards, {"tesd/teacher_correct": correct_t.mean(), "tesd/independence": indep_t.mean(),
-                         "tesd/teacher_reward": rewards.mean()}
+        groups = []
+        for b, ex in enumerate(examples):
+            mine, reference = outs[b * g:(b + 1) * g], encode(tok, ex.solution)
+            correct, indep = [], []
+            for k, out in enumerate(mine):
+                text = tok.decode(out.tokens, skip_special_tokens=True)
+                correct.append(self.correctness(ctx.task, ex, text))
+                logp_priv = sum(out.logprobs) / max(len(out.logprobs), 1)
+                copied = copies_reference(out.tokens, reference, c.copy_ngram)
+                mentions = any(p.lower() in text.lower() for p in c.reference_phrases)
+                indep.append(independence(logp_plain[b * g + k], logp_priv, copied, mentions, c))
+            correct_t, indep_t = torch.tensor(correct), torch.tensor(indep)
+            rewards = correct_t + c.independence_weight * indep_t
+            values = correct if c.dynamic_metric == "correct" else rewards.tolist()
+            groups.append(TeacherGroup(ex, privileged[b], mine, rewards, correct_t, indep_t, spread=len(set(values)) > 1,
+                                       generated_tokens=sum(len(o.tokens) for o in mine)))
+        return groups
 
     def loss(self, model: nn.Module, micro: Batch, normaliser: torch.Tensor) -> StepOutput:
         """student term / its tokens + alpha x teacher term / its tokens (normaliser (2,))."""

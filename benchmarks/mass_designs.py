@@ -43,11 +43,18 @@ DESIGNS = {  # the rows of docs/mass.md "Choosing the aggregate and the gate"
     "mass-margin0.05-geometric": ["+algo=mass", "algo.gate_margin=0.05"],
     "mass-margin0.01-geometric": ["+algo=mass", "algo.gate_margin=0.01"],
     "mass-gate": ["+algo=mass"],  # the defaults: geometric, correction > 0, support 1/2
+    "mass-backed": ["+algo=mass", "algo.aggregate=backed"],
+    "mass-confident": ["+algo=mass", "algo.aggregate=confident"],
 }
+CANDIDATES = ("mass-backed", "mass-confident")  # aggregates tried against OPSD at the defaults (docs/mass.md)
 GROUPS = {
     "designs": [(f"arith-{name}-s0-lr1e-4", [*o, "seed=0", *DESIGN_BUDGET]) for name, o in DESIGNS.items()],
     "seeds": [(f"{data}-{name}-s{seed}", [*DESIGNS[name], f"seed={seed}", *([f"data={data}"] if data != "arith" else [])])
               for data in ("multipath", "arith") for seed in (0, 1, 2) for name in ("opsd", "mass-gate")],
+    **{f"{data}-{name}": [(f"{data}-{name}-s{seed}", [*DESIGNS[name], f"seed={seed}",
+                                                      *([f"data={data}"] if data != "arith" else [])])
+                          for seed in (0, 1, 2)]
+       for data in ("multipath", "arith") for name in CANDIDATES},
 }
 
 

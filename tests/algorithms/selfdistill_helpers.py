@@ -18,9 +18,9 @@ def arith(steps: int = 2):
     return build_task("arith", seed=0, n_train=32, n_test=4, digits=2, steps=steps)
 
 
-def ctx(model, tok, task, seed: int = 0, max_new_tokens: int = 24):
+def ctx(model, tok, task, seed: int = 0, max_new_tokens: int = 24, draw_examples=None):
     return RolloutContext(task, tok, torch.Generator().manual_seed(seed), torch.device("cpu"), max_new_tokens,
-                          policy_fn=lambda: model)
+                          policy_fn=lambda: model, draw_examples=draw_examples)
 
 
 def grads(model, algo, batch, micro_size):

@@ -174,3 +174,21 @@ def test_backed_aggregate_is_the_mean_of_the_views_that_reach_the_means_top():
     both = torch.stack([views, torch.stack([_logp([0.7, 0.2, 0.1])] * 4)], dim=1)  # (K, 2, V)
     out = losses.aggregate_views(both, "backed").exp()
     assert torch.allclose(out[0], backed) and torch.allclose(out[1], torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64))
+
+
+def test_confident_aggregate_weights_views_by_their_entropy():
+    # view A = [0.9, 0.05, 0.05], view B uniform. H_A = 0.9 ln(1/0.9) + 0.1 ln 20 = 0.394397 nats,
+    # H_B = ln 3 = 1.098612; w_A = 1 / (1 + e^-(H_B - H_A)) = 0.669116. B is flat, so it adds a constant
+    # to every log-prob: p_T is proportional to p_A^0.669116.
+    views = torch.stack([_logp([0.9, 0.05, 0.05]), _logp([1 / 3, 1 / 3, 1 / 3])])
+    w = 0.669116
+    raw = [0.9 ** w, 0.05 ** w, 0.05 ** w]
+    expected = torch.tensor([x / sum(raw) for x in raw], dtype=torch.float64)  # [0.8669, 0.0666, 0.0666]
+    got = losses.aggregate_views(views, "confident").exp()
+    assert torch.allclose(got, expected, atol=1e-5)
+    # sharper than the plain geometric mean (p_A^0.5), which the flat view tempers more
+    assert got[0] > losses.aggregate_views(views, "geometric").exp()[0] + 0.05
+    # equal views: that view; one view: returned as it is
+    same = torch.stack([_logp([0.6, 0.3, 0.1])] * 3)
+    assert torch.allclose(losses.aggregate_views(same, "confident").exp(), torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64))
+    assert torch.equal(losses.aggregate_views(views[:1], "confident"), views[0])

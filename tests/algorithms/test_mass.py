@@ -166,7 +166,7 @@ def test_gate_keeps_a_planted_correction_and_drops_agreement_and_lost_informatio
     assert math.isclose(stats["correction"][0].item(), 0.7, rel_tol=1e-5)  # 0.8 - 0.1 on token 1
     assert stats["correction"][1].item() < 1e-6 and stats["support"][2].item() == 0.25
     assert math.isclose(stats["correction"][3].item(), 0.02, rel_tol=1e-3)
-    for aggregate in ("geometric", "mean", "backed"):
+    for aggregate in ("geometric", "mean", "backed", "confident"):
         stats_a = _stats([[0.8, 0.1, 0.1]], [[[0.1, 0.8, 0.1]] * 4]) if aggregate != "geometric" else stats
         assert gate_tokens(stats_a, MASSConfig(aggregate=aggregate)).tolist()[0] is True
     assert gate_tokens(stats, MASSConfig()).tolist() == [True, False, False, True]  # the default: margin 0

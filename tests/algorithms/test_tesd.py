@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from algorithms.base import Batch, PolicyTerms, TeacherTerms
@@ -80,3 +81,65 @@ def test_two_steps_change_every_parameter():
     algo = TESD(TESDConfig(teacher_rollouts=2))
     unchanged, _ = two_steps_change_every_trainable_parameter(algo, model, tok, arith())
     assert not unchanged, unchanged
+
+
+def _planted_correctness(spread_uids):
+    """Correctness by design, for G = 2: 1 / 0 within the teacher group of a question in `spread_uids`,
+    0 / 0 otherwise (calls come group by group, so their parity is the rollout's index in its group)."""
+    calls = []
+
+    def correctness(task, example, text):
+        calls.append(1)
+        return float(example.uid in spread_uids and len(calls) % 2 == 1)
+    return correctness
+
+
+def test_dynamic_sampling_fills_the_teacher_term_with_groups_that_spread():
+    model, tok = tiny()
+    task = arith()
+    examples = task.train_examples()
+    spread_uids = {ex.uid for ex in examples[1::3]}  # one question in three has teacher rollouts that differ
+    algo = TESD(TESDConfig(teacher_rollouts=2, dynamic_sampling=True, dynamic_max_rounds=6, independence_weight=0.0))
+    algo.correctness = _planted_correctness(spread_uids)
+    chunks = iter([examples[i:i + 4] for i in range(4, len(examples), 4)])
+    batch = algo.make_batch(examples[:4], ctx(model, tok, task, draw_examples=lambda: next(chunks)))
+    # the student term keeps the step's own 4 questions; the teacher term holds 4 groups, all with spread:
+    # examples[1] from the first round, then [4], [7], [10] from rounds 2 and 3 (1-2 per round by hand)
+    assert batch.uids[:4] == [ex.uid for ex in examples[:4]]
+    teacher = sorted({u.rsplit("/", 1)[0] for u in batch.uids[4:]})
+    assert teacher == sorted(ex.uid for ex in (examples[1], examples[4], examples[7], examples[10]))
+    assert len(batch) == 4 + 4 * 2 and (batch.policy.advantages[4:] != 0).all()
+    m = batch.metrics
+    assert m["rollout/generation_rounds"].item() == 3.0 and m["rollout/groups_filtered"].item() == 8.0
+    assert m["rollout/dynamic_cap_hit"].item() == 0.0 and m["rollout/generated_per_trained_token"].item() >= 1.0
+    # reliability comes from the step's own questions' teacher groups: mean correctness 1/2 on examples[1], 0 else
+    # (lambda 0), so the student rows weigh 0, 1/2, 0, 0
+    weights = [batch.token_weights[b][batch.loss_mask[b].bool()][0].item() for b in range(4)]
+    assert weights == [0.0, 0.5, 0.0, 0.0]
+
+
+def test_dynamic_sampling_stops_at_its_cap_and_trains_the_first_round():
+    model, tok = tiny()
+    task = arith()
+    examples = task.train_examples()
+    algo = TESD(TESDConfig(teacher_rollouts=2, dynamic_sampling=True, dynamic_max_rounds=2, independence_weight=0.0))
+    algo.correctness = _planted_correctness(set())  # no group's correctness ever spreads
+    chunks = iter([examples[i:i + 3] for i in range(3, len(examples), 3)])
+    batch = algo.make_batch(examples[:3], ctx(model, tok, task, draw_examples=lambda: next(chunks)))
+    assert [u.rsplit("/", 1)[0] for u in batch.uids[3:]] == [ex.uid for ex in examples[:3] for _ in range(2)]
+    assert batch.metrics["rollout/dynamic_cap_hit"].item() == 1.0 and batch.metrics["rollout/generation_rounds"] == 2
+    assert (batch.policy.advantages == 0).all()  # no spread: the teacher term is 0, the student term trains
+    # with the independence term on, the same flat-correctness groups get advantages from it alone: the
+    # default metric (correct) still filters them, as the rounds and the cap say
+    algo = TESD(TESDConfig(teacher_rollouts=2, dynamic_sampling=True, dynamic_max_rounds=2))
+    algo.correctness = _planted_correctness(set())
+    chunks = iter([examples[i:i + 3] for i in range(3, len(examples), 3)])
+    batch = algo.make_batch(examples[:3], ctx(model, tok, task, draw_examples=lambda: next(chunks)))
+    assert batch.metrics["rollout/dynamic_cap_hit"].item() == 1.0 and batch.metrics["rollout/groups_filtered"] == 6
+
+
+def test_dynamic_keys_are_checked():
+    with pytest.raises(ValueError, match="algo.dynamic_max_rounds=0 must be >= 1"):
+        TESDConfig(dynamic_max_rounds=0).validate()
+    with pytest.raises(ValueError, match="algo.dynamic_metric=acc is not one of correct, reward"):
+        TESDConfig(dynamic_metric="acc").validate()
