@@ -35,7 +35,7 @@ from torch import nn
 
 from algorithms import losses
 from algorithms.advantages import SCALES, group_advantages
-from algorithms.dynamic_sampling import fill_groups
+from algorithms.dynamic_sampling import Retirement, check_dynamic_keys, fill_groups
 from algorithms.base import Batch, PolicyTerms, RolloutContext, StepOutput, Traits
 from algorithms.rollouts import encode, encode_prompt, rollout_batch
 from algorithms.scoring import scatter_tokens, student_features
@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # the runtime is imported where it runs: config loading impor
     from inference.suffix import ReuseConfig, SessionEngine
 
 REUSE_MODES = ("full", "prefix", "suffix")  # inference.suffix.MODES (a test keeps them equal)
+DYNAMIC_METRICS = ("signal", "success")
 
 
 @dataclass
@@ -74,6 +75,9 @@ class CLMConfig(LoRAOptions):
     loss_chunk_tokens: int = 0  # tokens per logits chunk; 0 = from the vocabulary size
     dynamic_sampling: bool = False  # train only episode groups with a learning signal, playing more tasks to fill
     dynamic_max_rounds: int = 4  # rounds of episodes per step at most, the first included
+    dynamic_metric: str = "signal"  # signal (success or the successes' compute differs) | success (success differs)
+    retire_after: int = 0  # > 0 (with dynamic_sampling): retire a task all of whose episodes succeeded, or all
+    # failed, on this many visits in a row; it is not played again
     seed: int = 0
 
     def validate(self) -> None:
@@ -85,8 +89,7 @@ class CLMConfig(LoRAOptions):
             raise ValueError(f"algo.top_p={self.top_p} must be in (0, 1]")
         if self.w_eff < 0:
             raise ValueError(f"algo.w_eff={self.w_eff} must be >= 0")
-        if self.dynamic_max_rounds < 1:
-            raise ValueError(f"algo.dynamic_max_rounds={self.dynamic_max_rounds} must be >= 1")
+        check_dynamic_keys(self, DYNAMIC_METRICS)
         if self.scale_rewards not in SCALES:
             raise ValueError(f"algo.scale_rewards={self.scale_rewards} is not one of {', '.join(SCALES)}")
         if not (0.0 <= self.epsilon_low < 1.0 and self.epsilon_high >= 0.0):
@@ -136,10 +139,11 @@ class EpisodeGroup:
     generated_tokens: int
 
 
-def episode_groups(trajs: Sequence[Any], group_size: int) -> list[EpisodeGroup]:
-    """Consecutive groups of `group_size` episodes, each with whether its advantages can be non-zero:
-    the successes of its valid episodes differ (the task term), or at least two succeeded with
-    different compute (the efficiency term)."""
+def episode_groups(trajs: Sequence[Any], group_size: int, metric: str = "signal") -> list[EpisodeGroup]:
+    """Consecutive groups of `group_size` episodes, each with whether it spreads under `metric`:
+    `signal` -- its advantages can be non-zero: the successes of its valid episodes differ (the task
+    term), or at least two succeeded with different compute (the efficiency term); `success` -- only
+    the successes differ."""
     out = []
     for start in range(0, len(trajs), group_size):
         mine = list(trajs[start:start + group_size])
@@ -147,7 +151,7 @@ def episode_groups(trajs: Sequence[Any], group_size: int) -> list[EpisodeGroup]:
         task = len({bool(t.success) for t in valid}) > 1
         efficiency = len({t.compute for t in valid if t.success}) > 1
         tokens = sum(len(call.completion.tokens) for t in mine for call in t.calls)
-        out.append(EpisodeGroup(mine, task or efficiency, tokens))
+        out.append(EpisodeGroup(mine, task or (efficiency and metric == "signal"), tokens))
     return out
 
 
@@ -294,6 +298,7 @@ class CLM:
 
     def __init__(self, cfg: CLMConfig):
         self.cfg = cfg
+        self.retirement = Retirement(cfg.retire_after)  # tasks always / never solved (retire_after)
         if cfg.num_generations == 1:
             warnings.warn("algo.num_generations=1: every group-relative advantage is 0 and the efficiency term "
                           "needs 2 successes per group, so CLM makes no update", stacklevel=2)
@@ -326,10 +331,21 @@ class CLM:
             episodes = [ex for ex in exs for _ in range(g)]  # task-major: episodes b*G .. b*G+G-1
             return play_episodes(engine, tok, ctx.task, episodes, params, c.max_calls, c.budget, ctx.generator)
 
+        def groups_of(exs: Sequence[Any]) -> list[EpisodeGroup]:  # one round; retired tasks are not played
+            exs = self.retirement.live(exs)
+            groups = episode_groups(play(exs), g, c.dynamic_metric) if exs else []
+            for gr in groups:
+                self.retirement.visit(gr.trajs[0].episode.uid, [float(t.success) for t in gr.trajs if t.valid])
+            return groups
+
         fill = None
         if c.dynamic_sampling:  # only groups with a signal (success differs, or efficiency among successes)
-            groups, fill = fill_groups(examples, ctx.draw_examples, lambda exs: episode_groups(play(exs), g),
-                                       c.dynamic_max_rounds, ctx.world)
+            self.retirement.begin_step()
+            groups, fill = fill_groups(examples, ctx.draw_examples, groups_of, c.dynamic_max_rounds, ctx.world)
+            if not groups:  # every task drawn was retired: play this step's own tasks, retired or not
+                groups = episode_groups(play(examples), g, c.dynamic_metric)
+            if c.retire_after > 0:
+                self.retirement.share(ctx.world)
             trajs = [t for gr in groups for t in gr.trajs]
             examples = [gr.trajs[0].episode for gr in groups]
         else:
@@ -364,6 +380,8 @@ class CLM:
                          "rollout/length": torch.tensor(sum(lengths) / max(len(lengths), 1))}
         if fill is not None:
             batch.metrics.update(fill.metrics(int(sum(lengths))))
+        if c.retire_after > 0:
+            batch.metrics.update(self.retirement.metrics())
         return batch
 
     # --- loss -------------------------------------------------------------------------------------
@@ -405,10 +423,18 @@ class CLM:
         export_model(model, tokenizer, out_dir, self.name)
 
     def state_dict(self) -> dict:
-        return {}  # nothing outlives a step: rollouts are regenerated, the engine's sessions cleared
+        """Only the retired tasks (retire_after): rollouts are regenerated, the engine's sessions cleared."""
+        return self.retirement.state_dict() if self.cfg.retire_after > 0 else {}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        self.retirement.load_state_dict(state)
+
+    def rank_state_dict(self) -> dict:
+        """This rank's visit streaks towards retirement (retire_after)."""
+        return self.retirement.rank_state_dict()
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        self.retirement.load_rank_state_dict(state)
 
 
 def _one_row(ids: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

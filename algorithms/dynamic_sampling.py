@@ -11,6 +11,9 @@ agreed across ranks: while any rank is short, every rank draws the next slice of
 stay in step and no collective is left waiting. When the cap is hit the batch trains on the groups it
 found, fewer than asked (`stats.cap_hit`); with none at all it trains the first round's groups, whose
 advantages are all 0 (the trainer then skips the optimizer step: `train/skipped_steps`).
+
+Shared by GRPO, CLM's stepwise GRPO and TESD's teacher term: the key check (`check_dynamic_keys`) and
+the difficulty filter across epochs (`Retirement`, `retire_after`).
 """
 from __future__ import annotations
 
@@ -66,3 +69,81 @@ def fill_groups(examples: Sequence[Any], draw: Optional[Callable[[], Sequence[An
         batch = list(draw())  # every rank draws, full or not: the prompt streams stay in step
     stats = FillStats(rounds, filtered, generated, cap_hit=len(kept) < want)
     return (kept[:want] if kept else first), stats
+
+
+def check_dynamic_keys(cfg: Any, metrics: Sequence[str]) -> None:
+    """The dynamic-sampling keys every group-based algorithm shares: `dynamic_max_rounds` >= 1,
+    `dynamic_metric` one of `metrics`, `retire_after` >= 0 and > 0 only with `dynamic_sampling`."""
+    if cfg.dynamic_max_rounds < 1:
+        raise ValueError(f"algo.dynamic_max_rounds={cfg.dynamic_max_rounds} must be >= 1")
+    if cfg.dynamic_metric not in metrics:
+        raise ValueError(f"algo.dynamic_metric={cfg.dynamic_metric} is not one of {', '.join(metrics)}")
+    if cfg.retire_after < 0 or (cfg.retire_after > 0 and not cfg.dynamic_sampling):
+        raise ValueError(f"algo.retire_after={cfg.retire_after} must be >= 0, and > 0 only with "
+                         "algo.dynamic_sampling=true (retired prompts are replaced by drawing more)")
+
+
+class Retirement:
+    """Online difficulty filtering across epochs (`retire_after` = n > 0): a prompt whose group was all
+    right, or all wrong, on n visits in a row is retired and not generated again. Each rank counts the
+    visits of the prompts it generated (`rank_state_dict`); the retirements of a step are shared with
+    every rank at its end (`share`), since a prompt may fall on another rank next epoch, and saved once
+    (`state_dict`). With n = 0 nothing is counted."""
+
+    def __init__(self, after: int):
+        self.after = after
+        self.retired: dict[str, str] = {}  # uid -> "solved" | "unsolved", the same on every rank
+        self.streaks: dict[str, tuple[str, int]] = {}  # this rank's visits: uid -> (outcome, visits in a row)
+        self._newly: list[tuple[str, str]] = []
+        self.skipped = 0  # retired prompts passed over this step
+
+    def begin_step(self) -> None:
+        self._newly, self.skipped = [], 0
+
+    def live(self, examples: Sequence[Any]) -> list[Any]:
+        """`examples` less the retired ones (counted in `skipped`)."""
+        live = [ex for ex in examples if ex.uid not in self.retired]
+        self.skipped += len(examples) - len(live)
+        return live
+
+    def visit(self, uid: str, correct: Sequence[float]) -> None:
+        """Count one visit of a prompt whose group scored `correct` (1 right, 0 wrong; partial scores
+        break a streak); at n visits in a row with the same outcome it is retired at the step's end."""
+        if self.after <= 0 or not correct:
+            return
+        outcome = "solved" if all(x >= 1.0 for x in correct) else "unsolved" if all(x <= 0.0 for x in correct) else None
+        if outcome is None:
+            self.streaks.pop(uid, None)
+            return
+        previous, count = self.streaks.get(uid, (outcome, 0))
+        count = count + 1 if previous == outcome else 1
+        self.streaks[uid] = (outcome, count)
+        if count >= self.after:
+            self._newly.append((uid, outcome))
+            self.streaks.pop(uid)
+
+    def share(self, world: Any) -> None:
+        """Every rank's retirements of this step, on every rank (called by all ranks at the same point)."""
+        parts = world.gather_objects(self._newly) if world is not None and getattr(world, "distributed", False) \
+            else [self._newly]
+        for part in parts:
+            self.retired.update(dict(part))
+        self._newly = []
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        kinds = list(self.retired.values())
+        return {"rollout/retired_solved": torch.tensor(float(kinds.count("solved"))),
+                "rollout/retired_unsolved": torch.tensor(float(kinds.count("unsolved"))),
+                "rollout/retired_skipped": torch.tensor(float(self.skipped))}
+
+    def state_dict(self) -> dict:
+        return {"retired": dict(self.retired)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.retired = dict(state.get("retired", {}))
+
+    def rank_state_dict(self) -> dict:
+        return {"streaks": {uid: list(v) for uid, v in self.streaks.items()}}
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        self.streaks = {uid: (v[0], int(v[1])) for uid, v in state.get("streaks", {}).items()}

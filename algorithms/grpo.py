@@ -45,7 +45,7 @@ from torch import nn
 from algorithms import losses
 from algorithms.advantages import SCALES, group_advantages
 from algorithms.base import Batch, PolicyTerms, RolloutContext, RowShape, StepOutput, TokenLogprobs, Traits
-from algorithms.dynamic_sampling import fill_groups
+from algorithms.dynamic_sampling import Retirement, check_dynamic_keys, fill_groups
 from algorithms.rollouts import encode_prompt, rollout_batch, sample
 from algorithms.scoring import scatter_tokens, student_features
 from algorithms.teacher import SelfTeacher
@@ -128,13 +128,7 @@ class GRPOConfig(LoRAOptions):
             raise ValueError(f"algo.num_iterations={self.num_iterations} must be >= 1")
         if self.beta < 0 or self.advantage_eps < 0 or self.loss_chunk_tokens < 0 or self.lora_rank < 0:
             raise ValueError("algo.beta, algo.advantage_eps, algo.loss_chunk_tokens and algo.lora_rank must be >= 0")
-        if self.dynamic_max_rounds < 1:
-            raise ValueError(f"algo.dynamic_max_rounds={self.dynamic_max_rounds} must be >= 1")
-        if self.retire_after < 0 or (self.retire_after > 0 and not self.dynamic_sampling):
-            raise ValueError(f"algo.retire_after={self.retire_after} must be >= 0, and > 0 only with "
-                             "algo.dynamic_sampling=true (retired prompts are replaced by drawing more)")
-        if self.dynamic_metric not in DYNAMIC_METRICS:
-            raise ValueError(f"algo.dynamic_metric={self.dynamic_metric} is not one of {', '.join(DYNAMIC_METRICS)}")
+        check_dynamic_keys(self, DYNAMIC_METRICS)
         if self.logprob_batch_size <= 0:
             raise ValueError(f"algo.logprob_batch_size={self.logprob_batch_size} must be > 0")
         if self.reward_fn is not None:
@@ -193,10 +187,7 @@ class GRPO:
         self.reference = SelfTeacher("fixed", 0.0)  # the starting weights, for the KL term
         self._reuse: Optional[Batch] = None  # the generated batch while it serves num_iterations steps
         self._iteration = 0
-        self.retired: dict[str, str] = {}  # retire_after: uid -> "solved" | "unsolved", the same on every rank
-        self.streaks: dict[str, tuple[str, int]] = {}  # this rank's visits: uid -> (outcome, visits in a row)
-        self._newly: list[tuple[str, str]] = []
-        self._skipped_retired = 0
+        self.retirement = Retirement(cfg.retire_after)  # retire_after: prompts always / never solved
         if cfg.num_generations == 1:
             warnings.warn("algo.num_generations=1: every group-relative advantage is 0, so GRPO makes no update "
                           "(logged as grpo/frac_zero_std = 1)", stacklevel=2)
@@ -232,13 +223,13 @@ class GRPO:
         tok, g = ctx.tokenizer, c.num_generations
         fill = None
         if c.dynamic_sampling:  # only groups whose rewards spread, more prompts sampled to fill the batch
-            self._newly, self._skipped_retired = [], 0
+            self.retirement.begin_step()
             groups, fill = fill_groups(examples, ctx.draw_examples, lambda exs: self._groups(exs, ctx),
                                        c.dynamic_max_rounds, ctx.world)
             if not groups:  # every prompt drawn was retired: train this step's own prompts, retired or not
                 groups = self._groups(examples, ctx, skip_retired=False)
             if c.retire_after > 0:
-                self._share_retirements(ctx.world)
+                self.retirement.share(ctx.world)
         else:
             groups = self._groups(examples, ctx, skip_retired=False)
         examples = [gr.example for gr in groups]
@@ -271,10 +262,7 @@ class GRPO:
         if fill is not None:
             batch.metrics.update(fill.metrics(int(lengths.sum())))
         if c.retire_after > 0:
-            kinds = list(self.retired.values())
-            batch.metrics.update({"rollout/retired_solved": torch.tensor(float(kinds.count("solved"))),
-                                  "rollout/retired_unsolved": torch.tensor(float(kinds.count("unsolved"))),
-                                  "rollout/retired_skipped": torch.tensor(float(self._skipped_retired))})
+            batch.metrics.update(self.retirement.metrics())
         if c.num_iterations > 1:
             self._reuse, self._iteration = batch, 1
             batch.metrics["grpo/iteration"] = torch.tensor(1.0)
@@ -284,10 +272,8 @@ class GRPO:
         """Each example's G completions (one engine call), scored, and whether their `dynamic_metric`
         spreads: the step's rollouts, or one round of dynamic sampling (retired prompts skipped)."""
         c, tok, task, g = self.cfg, ctx.tokenizer, ctx.task, self.cfg.num_generations
-        if skip_retired and self.retired:
-            live = [ex for ex in examples if ex.uid not in self.retired]
-            self._skipped_retired += len(examples) - len(live)
-            examples = live
+        if skip_retired:
+            examples = self.retirement.live(examples)
         if not examples:
             return []
         prompts = [encode_prompt(tok, task.prompt(ex)) for ex in examples]
@@ -299,30 +285,8 @@ class GRPO:
             values = [s.reward if c.dynamic_metric == "reward" else s.correct for s in mine if s.valid]
             groups.append(Group(ex, prompt, outs[b * g:(b + 1) * g], mine, spread=len(set(values)) > 1,
                                 generated_tokens=sum(len(o.tokens) for o in outs[b * g:(b + 1) * g])))
-            if c.retire_after > 0:
-                self._visit(ex.uid, [s.correct for s in mine])
+            self.retirement.visit(ex.uid, [s.correct for s in mine])
         return groups
-
-    def _visit(self, uid: str, correct: list[float]) -> None:
-        """Count a prompt's visits in a row where all its completions were right (or all wrong); at
-        `retire_after` it is retired (shared with the other ranks at the end of the step)."""
-        outcome = "solved" if all(x >= 1.0 for x in correct) else "unsolved" if all(x <= 0.0 for x in correct) else None
-        if outcome is None:
-            self.streaks.pop(uid, None)
-            return
-        previous, count = self.streaks.get(uid, (outcome, 0))
-        count = count + 1 if previous == outcome else 1
-        self.streaks[uid] = (outcome, count)
-        if count >= self.cfg.retire_after:
-            self._newly.append((uid, outcome))
-            self.streaks.pop(uid)
-
-    def _share_retirements(self, world: Any) -> None:
-        """Every rank's retirements of this step, on every rank (a prompt may fall on another rank next epoch)."""
-        parts = world.gather_objects(self._newly) if world is not None and world.distributed else [self._newly]
-        for part in parts:
-            self.retired.update(dict(part))
-        self._newly = []
 
     def score(self, examples: Sequence[Any], outs: Sequence[Any], tok: Any, task: Any) -> list["Scored"]:
         """Each completion's reward (None-safe: `valid` False when the reward function gave none) and the
@@ -415,20 +379,20 @@ class GRPO:
         # A resumed run starts a fresh generation: the batch being reused for num_iterations is not saved.
         state = {"reference": self.reference.state_dict()} if self.cfg.beta > 0 else {}
         if self.cfg.retire_after > 0:
-            state["retired"] = dict(self.retired)
+            state.update(self.retirement.state_dict())
         return state
 
     def load_state_dict(self, state: dict) -> None:
         if "reference" in state:
             self.reference.load_state_dict(state["reference"])
-        self.retired = dict(state.get("retired", {}))
+        self.retirement.load_state_dict(state)
 
     def rank_state_dict(self) -> dict:
         """This rank's visit streaks towards retirement (retire_after)."""
-        return {"streaks": {uid: list(v) for uid, v in self.streaks.items()}}
+        return self.retirement.rank_state_dict()
 
     def load_rank_state_dict(self, state: dict) -> None:
-        self.streaks = {uid: (v[0], int(v[1])) for uid, v in state.get("streaks", {}).items()}
+        self.retirement.load_rank_state_dict(state)
 
 
 def _mean(values: torch.Tensor) -> torch.Tensor:

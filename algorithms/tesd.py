@@ -35,7 +35,7 @@ from torch import nn
 
 from algorithms import losses
 from algorithms.base import Batch, PolicyTerms, RolloutContext, StepOutput, TeacherTerms, pad_right
-from algorithms.dynamic_sampling import fill_groups
+from algorithms.dynamic_sampling import Retirement, check_dynamic_keys, fill_groups
 from algorithms.rollouts import completion_mask, encode, encode_prompt, require_references, rollout_batch, sample
 from algorithms.scoring import detached_head, predicting, scatter_tokens, student_features, teacher_hidden
 from algorithms.selfdistill import (SelfDistillConfig, check_self_distill_config, diagnoses_paths, distill_terms,
@@ -70,6 +70,8 @@ class TESDConfig(SelfDistillConfig):
     dynamic_sampling: bool = False
     dynamic_max_rounds: int = 4  # generation rounds per step at most, the first included
     dynamic_metric: str = "correct"  # correct (the verifier's score) | reward (+ independence: spreads almost always)
+    retire_after: int = 0  # > 0 (with dynamic_sampling): a question whose teacher group was all right, or all
+    # wrong, on this many visits in a row is not drawn again for the teacher term
 
     def validate(self) -> None:
         check_self_distill_config(self)
@@ -79,10 +81,7 @@ class TESDConfig(SelfDistillConfig):
             raise ValueError(f"algo.teacher_rollouts={self.teacher_rollouts} must be >= 2 (group-relative advantages)")
         if self.reward_mode not in REWARD_MODES:
             raise ValueError(f"algo.reward_mode={self.reward_mode} is not one of {', '.join(REWARD_MODES)}")
-        if self.dynamic_max_rounds < 1:
-            raise ValueError(f"algo.dynamic_max_rounds={self.dynamic_max_rounds} must be >= 1")
-        if self.dynamic_metric not in DYNAMIC_METRICS:
-            raise ValueError(f"algo.dynamic_metric={self.dynamic_metric} is not one of {', '.join(DYNAMIC_METRICS)}")
+        check_dynamic_keys(self, DYNAMIC_METRICS)
         if self.alpha < 0 or self.independence_weight < 0 or self.copy_ngram < 0:
             raise ValueError("algo.alpha, algo.independence_weight and algo.copy_ngram must be >= 0")
 
@@ -141,6 +140,7 @@ class TESD:
 
     def __init__(self, cfg: TESDConfig):
         self.cfg = cfg
+        self.retirement = Retirement(cfg.retire_after)  # questions whose teacher always / never solves them
 
     @property
     def rows_per_prompt(self) -> int:  # 1 student + G teacher rows per question (micro-batch count)
@@ -154,6 +154,7 @@ class TESD:
 
     def make_batch(self, examples: Sequence[Any], ctx: RolloutContext) -> Batch:
         c, tok, task, g = self.cfg, ctx.tokenizer, ctx.task, self.cfg.teacher_rollouts
+        self.retirement.begin_step()
         plain = [encode_prompt(tok, task.prompt(ex)) for ex in examples]
         privileged = [encode_prompt(tok, task.teacher_prompt(ex, ex.solution)) for ex in examples]
         outs = sample(ctx, plain + [p for p in privileged for _ in range(g)], c.temperature, c.top_p)  # one engine call
@@ -166,6 +167,9 @@ class TESD:
             groups, fill = fill_groups(examples, ctx.draw_examples,
                                        lambda exs: rounds.pop() if rounds else self._sample_teacher(exs, ctx),
                                        c.dynamic_max_rounds, ctx.world)
+            groups = groups or own  # every question drawn was retired: the step's own groups
+            if c.retire_after > 0:
+                self.retirement.share(ctx.world)
         else:
             groups = own
 
@@ -188,6 +192,8 @@ class TESD:
                          "rollout/reward": torch.tensor(self._mean_reward(task, tok, examples, student_outs))}
         if fill is not None:
             batch.metrics.update(fill.metrics(trained_tokens=int(teacher.loss_mask.sum())))
+        if c.retire_after > 0:
+            batch.metrics.update(self.retirement.metrics())
         if diagnoses_paths(c, task):
             batch.metrics.update(path_metrics(task, tok, examples, [o.tokens for o in student_outs], student,
                                               reference_teacher_tops(student, c)))
@@ -202,8 +208,12 @@ class TESD:
                    for ex, o in zip(examples, outs)) / max(len(outs), 1)
 
     def _sample_teacher(self, examples: Sequence[Any], ctx: RolloutContext) -> list["TeacherGroup"]:
-        """One round of dynamic sampling: G teacher rollouts for each of `examples` (no student rollout)."""
+        """One round of dynamic sampling: G teacher rollouts for each of `examples` (no student rollout),
+        retired questions skipped."""
         tok, task, g = ctx.tokenizer, ctx.task, self.cfg.teacher_rollouts
+        examples = self.retirement.live(examples)
+        if not examples:
+            return []
         plain = [encode_prompt(tok, task.prompt(ex)) for ex in examples]
         privileged = [encode_prompt(tok, task.teacher_prompt(ex, ex.solution)) for ex in examples]
         outs = sample(ctx, [p for p in privileged for _ in range(g)], self.cfg.temperature, self.cfg.top_p)
@@ -231,6 +241,7 @@ class TESD:
             values = correct if c.dynamic_metric == "correct" else rewards.tolist()
             groups.append(TeacherGroup(ex, privileged[b], mine, rewards, correct_t, indep_t, spread=len(set(values)) > 1,
                                        generated_tokens=sum(len(o.tokens) for o in mine)))
+            self.retirement.visit(ex.uid, correct)
         return groups
 
     def loss(self, model: nn.Module, micro: Batch, normaliser: torch.Tensor) -> StepOutput:
@@ -258,10 +269,18 @@ class TESD:
         export_model(model, tokenizer, out_dir, self.name)
 
     def state_dict(self) -> dict:
-        return {}
+        """The retired questions (retire_after), the same on every rank."""
+        return self.retirement.state_dict() if self.cfg.retire_after > 0 else {}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        self.retirement.load_state_dict(state)
+
+    def rank_state_dict(self) -> dict:
+        """This rank's visit streaks towards retirement (retire_after)."""
+        return self.retirement.rank_state_dict()
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        self.retirement.load_rank_state_dict(state)
 
 
 def join(student: Batch, teacher: Batch) -> Batch:

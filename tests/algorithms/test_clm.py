@@ -226,12 +226,15 @@ def test_episode_groups_have_a_signal_when_success_or_the_successes_compute_diff
         call = SimpleNamespace(completion=SimpleNamespace(tokens=[1, 2, 3]))
         return SimpleNamespace(success=success, compute=compute, valid=valid, calls=[call])
 
-    groups = episode_groups([t(1, 10), t(0, 10),      # success differs
-                             t(1, 10), t(1, 30),      # both succeed, different compute: efficiency signal
-                             t(1, 10), t(1, 10),      # both succeed alike: nothing
-                             t(0, 10), t(1, 20, valid=False)], 2)  # the success is an invalid episode
+    trajs = [t(1, 10), t(0, 10),      # success differs
+             t(1, 10), t(1, 30),      # both succeed, different compute: efficiency signal
+             t(1, 10), t(1, 10),      # both succeed alike: nothing
+             t(0, 10), t(1, 20, valid=False)]  # the success is an invalid episode
+    groups = episode_groups(trajs, 2)
     assert [g.spread for g in groups] == [True, True, False, False]
     assert [g.generated_tokens for g in groups] == [6, 6, 6, 6]
+    # dynamic_metric=success: the efficiency-only group has no spread
+    assert [g.spread for g in episode_groups(trajs, 2, "success")] == [True, False, False, False]
 
 
 def test_zero_loss_is_true_exactly_when_no_trained_token_has_an_advantage():

@@ -22,11 +22,16 @@ def test_torchrun_two_ranks_end_to_end(tmp_path, subprocess_env):
     out = tmp_path / "run"
     lines = torchrun_train(out, subprocess_env, *CLM, "algo.reuse=suffix", "algo.reuse_min_span=8",
                            "algo.reuse_reforward=2", "algo.reuse_min_gain=4", "algo.dynamic_sampling=true",
-                           "algo.dynamic_max_rounds=2", algo="clm")[:-1]
+                           "algo.dynamic_max_rounds=2", "algo.dynamic_metric=success", "algo.retire_after=1",
+                           algo="clm")[:-1]
     train = [x for x in lines if x["split"] == "train"]
     assert [x["step"] for x in train] == [1, 2]
     # a random model never succeeds: no group has a signal, so both rounds run and the cap is reported
     assert all(x["rollout/generation_rounds"] == 2 and x["rollout/dynamic_cap_hit"] == 1 for x in train)
+    # retire_after=1: every task played (2 rounds x 1 task x 2 ranks a step) failed once and is retired,
+    # shared by both ranks; none comes back within the epoch, so none is skipped
+    assert [x["rollout/retired_unsolved"] for x in train] == [4, 8]
+    assert all(x["rollout/retired_solved"] == 0 and x["rollout/retired_skipped"] == 0 for x in train)
     for x in train:
         assert {"clm/success", "clm/compute", "clm/edits", "clm/context_tokens", "clm/overflow"} <= set(x)
         assert x["clm/compute"] > 0

@@ -137,9 +137,9 @@ def test_prompts_solved_or_failed_every_time_are_retired_and_not_sampled_again()
     algo.score = score
     ctx = RolloutContext(task, tok, torch.Generator().manual_seed(0), torch.device("cpu"), 6, policy_fn=lambda: model)
     first = algo.make_batch([a, b, c, d], ctx)
-    assert algo.retired == {} and first.metrics["rollout/retired_solved"].item() == 0
+    assert algo.retirement.retired == {} and first.metrics["rollout/retired_solved"].item() == 0
     second = algo.make_batch([a, b, c, d], ctx)  # the second visit in a row retires a and b
-    assert algo.retired == {a.uid: "solved", b.uid: "unsolved"}
+    assert algo.retirement.retired == {a.uid: "solved", b.uid: "unsolved"}
     assert second.metrics["rollout/retired_solved"].item() == 1 and second.metrics["rollout/retired_unsolved"].item() == 1
     seen.clear()
     third = algo.make_batch([a, b, c, d], ctx)
@@ -147,6 +147,40 @@ def test_prompts_solved_or_failed_every_time_are_retired_and_not_sampled_again()
     restored = GRPO(GRPOConfig(num_generations=2, dynamic_sampling=True, retire_after=2))
     restored.load_state_dict(algo.state_dict())
     restored.load_rank_state_dict(algo.rank_state_dict())
-    assert restored.retired == algo.retired and restored.streaks == algo.streaks
+    assert restored.retirement.retired == algo.retirement.retired and restored.retirement.streaks == algo.retirement.streaks
     with pytest.raises(ValueError, match="algo.retire_after=2 must be >= 0, and > 0 only with algo.dynamic_sampling"):
         GRPOConfig(retire_after=2).validate()
+
+
+def test_retirement_counts_visits_in_a_row_and_shares_them_at_the_step_end():
+    from types import SimpleNamespace
+
+    from algorithms.dynamic_sampling import Retirement
+
+    r = Retirement(after=2)
+    r.begin_step()
+    r.visit("a", [1.0, 1.0])
+    r.visit("b", [0.0, 0.0])
+    r.visit("c", [1.0, 0.0])  # mixed: no streak
+    r.visit("d", [0.5, 0.5])  # a partial score is neither solved nor unsolved
+    assert r.streaks == {"a": ("solved", 1), "b": ("unsolved", 1)} and r.retired == {}
+    r.visit("a", [0.0, 0.0])  # the outcome changed: the count restarts
+    r.visit("b", [0.0, 0.0])  # second unsolved visit in a row: retired at the step's end, not before
+    assert r.streaks == {"a": ("unsolved", 1)} and r.retired == {}
+    r.share(None)
+    assert r.retired == {"b": "unsolved"}
+    r.begin_step()
+    exs = [SimpleNamespace(uid=u) for u in "abc"]
+    assert [e.uid for e in r.live(exs)] == ["a", "c"] and r.skipped == 1
+    m = r.metrics()
+    assert (m["rollout/retired_solved"].item(), m["rollout/retired_unsolved"].item(), m["rollout/retired_skipped"].item()) \
+        == (0.0, 1.0, 1.0)
+    again = Retirement(after=2)
+    again.load_state_dict(r.state_dict())
+    again.load_rank_state_dict(r.rank_state_dict())
+    assert again.retired == r.retired and again.streaks == r.streaks
+    off = Retirement(after=0)
+    off.visit("a", [1.0])
+    off.visit("a", [1.0])
+    off.share(None)
+    assert off.retired == {} and off.streaks == {}

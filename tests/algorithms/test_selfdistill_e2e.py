@@ -22,7 +22,7 @@ ROLLOUT = ["trainer.max_new_tokens=24", "trainer.max_steps=2"]
      "mass/kept_fraction"),
     ("tesd", ["algo.teacher_rollouts=2", "trainer.batch_size=4", "trainer.micro_batch_size=3"], "tesd/teacher_loss"),
     ("tesd", ["algo.teacher_rollouts=2", "trainer.batch_size=4", "algo.dynamic_sampling=true", "algo.dynamic_max_rounds=2",
-              "algo.dynamic_metric=reward"], "rollout/generation_rounds"),
+              "algo.dynamic_metric=reward", "algo.retire_after=1"], "rollout/retired_unsolved"),
 ])
 def test_torchrun_two_ranks_end_to_end(tmp_path, subprocess_env, algo, extra, metric):
     out = tmp_path / "run"

@@ -143,3 +143,39 @@ def test_dynamic_keys_are_checked():
         TESDConfig(dynamic_max_rounds=0).validate()
     with pytest.raises(ValueError, match="algo.dynamic_metric=acc is not one of correct, reward"):
         TESDConfig(dynamic_metric="acc").validate()
+
+
+def test_questions_the_teacher_always_or_never_solves_are_retired_from_the_teacher_term():
+    model, tok = tiny()
+    task = arith()
+    a, b, c, d, *rest = task.train_examples()
+    solved = {a.uid: [1.0, 1.0], b.uid: [0.0, 0.0]}  # a: the teacher always solves it, b: never; others mixed
+    calls = []
+
+    def correctness(task_, ex, text):
+        calls.append(ex.uid)
+        return solved.get(ex.uid, [1.0, 0.0])[(len(calls) - 1) % 2]
+
+    algo = TESD(TESDConfig(teacher_rollouts=2, dynamic_sampling=True, dynamic_max_rounds=2, retire_after=2,
+                           independence_weight=0.0))
+    algo.correctness = correctness
+    step = lambda: algo.make_batch([c, d], ctx(model, tok, task, draw_examples=lambda: [a, b]))  # noqa: E731
+    first = step()  # c, d spread: no extra round, nothing visits a or b
+    assert first.metrics["rollout/generation_rounds"] == 1 and algo.retirement.retired == {}
+    calls.clear()
+    # a round that draws a and b: their groups have no spread (filtered), one visit each
+    ex_batch = algo.make_batch([a, b], ctx(model, tok, task, draw_examples=lambda: [a, b]))
+    assert ex_batch.metrics["rollout/generation_rounds"] == 2 and ex_batch.metrics["rollout/retired_solved"] == 1
+    assert algo.retirement.retired == {a.uid: "solved", b.uid: "unsolved"}  # 2 visits in a row each
+    calls.clear()
+    third = algo.make_batch([a, b], ctx(model, tok, task, draw_examples=lambda: [a, b]))
+    # their own round still samples the teacher (the student's reliability needs it); the extra round skips them
+    # (scored: the own round's 2 x 2 teacher rollouts, then the 2 student rollouts; nothing in round 2)
+    assert calls == [a.uid, a.uid, b.uid, b.uid, a.uid, b.uid]
+    assert third.metrics["rollout/retired_skipped"] == 2
+    restored = TESD(TESDConfig(teacher_rollouts=2, dynamic_sampling=True, retire_after=2))
+    restored.load_state_dict(algo.state_dict())
+    restored.load_rank_state_dict(algo.rank_state_dict())
+    assert restored.retirement.retired == algo.retirement.retired
+    with pytest.raises(ValueError, match="algo.retire_after=2 must be >= 0, and > 0 only with algo.dynamic_sampling"):
+        TESDConfig(retire_after=2).validate()
