@@ -34,6 +34,7 @@ class TeacherTerms:
     hidden: Tensor  # (B, T, K, H) teacher final hidden states predicting token t, under K prompts
     head: Head  # the teacher's output head (V, H) when the batch was made: shared by all rows, never split
     boundaries: Optional[Tensor] = None  # (B, T, S, H) teacher states at block boundaries (QAD's segments)
+    view_evidence: Optional[Tensor] = None  # (B, T, K) each view's log-likelihood of the completion before t (MASS)
 
 
 @dataclass

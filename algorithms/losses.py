@@ -74,24 +74,42 @@ def generalized_jsd(student_logp: Tensor, teacher_logp: Tensor, beta: float) -> 
     return beta * kl(teacher_logp, mix) + (1.0 - beta) * kl(student_logp, mix)
 
 
-AGGREGATES = ("mean", "geometric", "backed", "confident")
+AGGREGATES = ("mean", "geometric", "backed", "confident", "posterior")
 
 
-def aggregate_views(view_logp: Tensor, mode: str = "mean") -> Tensor:
+def aggregate_views(view_logp: Tensor, mode: str = "mean", evidence: Optional[Tensor] = None,
+                    confidence_temperature: float = 0.0) -> Tensor:
     """One teacher distribution from K view-conditioned teachers. view_logp (K, ..., V) -> (..., V).
 
     mean:      log((1/K) sum_k p_k) -- a Monte-Carlo estimate of the marginal over reference realisations.
     geometric: log_softmax((1/K) sum_k log p_k) -- the normalised geometric mean.
     backed:    the mean over the views that back the mean's top token (their own top is that token):
                views whose masked reference lost the information the token needs drop out there.
-    confident: log_softmax(sum_k w_k log p_k), w = softmax_k(-H_k) with H_k the entropy of view k in
-               nats: a geometric mean in which a view counts by its confidence, so the views that kept
-               the information a token needs outweigh those that lost it with their masked spans (one
-               nat more entropy is e times less weight), and the aggregate stays as sharp as they are.
+    confident: log_softmax(sum_k w_k log p_k), w = softmax_k(-H_k / tau) with H_k the entropy of view k
+               in nats and tau = `confidence_temperature` (> 0): a geometric mean in which a view counts
+               by its confidence, so the views that kept the information a token needs outweigh those
+               that lost it with their masked spans, and the aggregate stays as sharp as they are.
+    posterior: the same with w = softmax_k(evidence_k - H_k / tau): `evidence` (K, ...) is each view's
+               log-likelihood of the completion written before the token (MASS's `view_evidence`), so
+               a view counts by its posterior given what the student wrote (a uniform prior) times its
+               confidence (tau <= 0: the posterior alone).
     One view is returned as it is, whatever the mode.
     """
     if view_logp.shape[0] == 1 and mode in AGGREGATES:
         return view_logp[0]
+    if mode in ("confident", "posterior"):
+        finite = view_logp.clamp(min=torch.finfo(view_logp.dtype).min)
+        score = torch.zeros(view_logp.shape[:-1], dtype=view_logp.dtype, device=view_logp.device)  # (K, ...)
+        if mode == "posterior":
+            if evidence is None:
+                raise ValueError("the posterior view aggregate needs each view's evidence (log-likelihood so far)")
+            score = score + evidence.to(view_logp.dtype)
+        elif confidence_temperature <= 0:
+            raise ValueError("the confident view aggregate needs confidence_temperature > 0")
+        if confidence_temperature > 0:
+            score = score + (view_logp.exp() * finite).sum(-1) / confidence_temperature  # - H_k / tau
+        weights = torch.softmax(score, dim=0).unsqueeze(-1)
+        return torch.log_softmax((weights * finite).sum(0), dim=-1)
     if mode == "mean":
         return torch.logsumexp(view_logp, dim=0) - math.log(view_logp.shape[0])
     if mode == "geometric":
@@ -102,10 +120,6 @@ def aggregate_views(view_logp: Tensor, mode: str = "mean") -> Tensor:
         backs = backs | ~backs.any(0, keepdim=True)  # no view backs it (a mean's top no view has): all count
         masked = view_logp.masked_fill(~backs.unsqueeze(-1), float("-inf"))
         return torch.logsumexp(masked, dim=0) - backs.sum(0).unsqueeze(-1).to(view_logp.dtype).log()
-    if mode == "confident":
-        entropy = -(view_logp.exp() * view_logp.clamp(min=torch.finfo(view_logp.dtype).min)).sum(-1)  # (K, ...)
-        weights = torch.softmax(-entropy, dim=0).unsqueeze(-1)
-        return torch.log_softmax((weights * view_logp.clamp(min=torch.finfo(view_logp.dtype).min)).sum(0), dim=-1)
     raise ValueError(f"unknown view aggregation {mode!r}; expected one of {', '.join(AGGREGATES)}")
 
 
@@ -211,13 +225,19 @@ def head_logp(hidden: Tensor, head: Optional[Head], temperature: float) -> Tenso
     return torch.log_softmax(logits.float() / temperature, dim=-1)
 
 
+def _evidence(view_evidence: Optional[Tensor], sl: slice) -> Optional[Tensor]:
+    """(N, K) per-token view evidence -> the chunk's (K, n), or None."""
+    return None if view_evidence is None else view_evidence[sl].transpose(0, 1)
+
+
 def _distill_chunk(student_in: Tensor, student_head: Optional[Head], teacher_hidden: Tensor, teacher_head: Head,
-                   targets: Tensor, beta: float, temperature: float, aggregate: str, top_k: int, form: str
+                   targets: Tensor, beta: float, temperature: float, aggregate: str, top_k: int, form: str,
+                   view_evidence: Optional[Tensor] = None, confidence_temperature: float = 0.0
                    ) -> tuple[Tensor, Tensor]:
     student_logp = head_logp(student_in, student_head, temperature)  # (n, V)
     with torch.no_grad():
         views = head_logp(teacher_hidden.transpose(0, 1), teacher_head, temperature)  # (K, n, V)
-        teacher_logp = aggregate_views(views, aggregate)  # (n, V)
+        teacher_logp = aggregate_views(views, aggregate, view_evidence, confidence_temperature)  # (n, V)
     token_logp = student_logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (n,)
     if form == "sampled":
         teacher_token = teacher_logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -230,14 +250,16 @@ def _distill_chunk(student_in: Tensor, student_head: Optional[Head], teacher_hid
 def chunked_self_distill(student_in: Tensor, student_head: Optional[Head], teacher_hidden: Tensor,
                          teacher_head: Head, targets: Tensor, *, beta: float = 0.5, temperature: float = 1.0,
                          aggregate: str = "mean", top_k: int = 0, form: str = "full",
-                         chunk: int = 512) -> tuple[Tensor, Tensor]:
+                         chunk: int = 512, view_evidence: Optional[Tensor] = None,
+                         confidence_temperature: float = 0.0) -> tuple[Tensor, Tensor]:
     """Per-token divergence between the student and the (aggregated) teacher, chunked over tokens.
 
     student_in (N, H) final hidden states predicting `targets` (N,) -- or (N, V) logits with
     student_head None; teacher_hidden (N, K, H) from K teacher views (no grad); teacher_head its
     output head. form "full": generalized JSD(beta) over the vocabulary (or the teacher's top-k
-    renormalised, top_k > 0); "sampled": the sampled-token form. Returns (divergence (N,), student
-    log-prob of each target (N,)); both carry the student's gradient.
+    renormalised, top_k > 0); "sampled": the sampled-token form. `view_evidence` (N, K) and
+    `confidence_temperature`: for the `posterior` and `confident` aggregates. Returns (divergence (N,), student log-prob of
+    each target (N,)); both carry the student's gradient.
     """
     assert teacher_hidden.dim() == 3 and teacher_hidden.shape[0] == student_in.shape[0] == targets.shape[0]
     if form not in ("full", "sampled"):
@@ -247,7 +269,7 @@ def chunked_self_distill(student_in: Tensor, student_head: Optional[Head], teach
     for start in range(0, targets.shape[0], chunk):
         sl = slice(start, start + chunk)
         args = (student_in[sl], student_head, teacher_hidden[sl], teacher_head, targets[sl],
-                beta, temperature, aggregate, top_k, form)
+                beta, temperature, aggregate, top_k, form, _evidence(view_evidence, sl), confidence_temperature)
         if student_in.requires_grad or (student_head is not None and student_head[0].requires_grad):
             div, logp = checkpoint(_distill_chunk, *args, use_reentrant=False)
         else:
@@ -263,7 +285,8 @@ def chunked_self_distill(student_in: Tensor, student_head: Optional[Head], teach
 @torch.no_grad()
 def self_distill_diagnostics(student_in: Tensor, student_head: Optional[Head], teacher_hidden: Tensor,
                              teacher_head: Head, *, temperature: float = 1.0, aggregate: str = "mean",
-                             chunk: int = 512) -> dict[str, Tensor]:
+                             chunk: int = 512, view_evidence: Optional[Tensor] = None,
+                             confidence_temperature: float = 0.0) -> dict[str, Tensor]:
     """No-grad per-token statistics of K teacher views against the student, chunked over tokens.
 
     Returns (N,) tensors `disagreement` (mean pairwise JSD of the views), `correction` (teacher's
@@ -278,7 +301,7 @@ def self_distill_diagnostics(student_in: Tensor, student_head: Optional[Head], t
         sl = slice(start, start + chunk)
         student_logp = head_logp(student_in[sl], student_head, temperature)  # (n, V)
         views = head_logp(teacher_hidden[sl].transpose(0, 1), teacher_head, temperature)  # (K, n, V)
-        teacher_logp = aggregate_views(views, aggregate)
+        teacher_logp = aggregate_views(views, aggregate, _evidence(view_evidence, sl), confidence_temperature)
         parts["disagreement"].append(view_disagreement(views))
         parts["correction"].append(correction_mass(student_logp, teacher_logp))
         parts["top_gap"].append(top_gap(student_logp, teacher_logp))
@@ -297,11 +320,13 @@ def self_distill_diagnostics(student_in: Tensor, student_head: Optional[Head], t
 
 @torch.no_grad()
 def teacher_top_tokens(teacher_hidden: Tensor, teacher_head: Head, *, temperature: float = 1.0,
-                       aggregate: str = "mean", chunk: int = 512) -> Tensor:
+                       aggregate: str = "mean", chunk: int = 512, view_evidence: Optional[Tensor] = None,
+                       confidence_temperature: float = 0.0) -> Tensor:
     """(N,) the top token of the teacher's K views aggregated, from (N, K, H) hidden states, chunked
     over tokens (the `teacher_top` of `self_distill_diagnostics` without the student side)."""
     tops = [aggregate_views(head_logp(teacher_hidden[start: start + chunk].transpose(0, 1), teacher_head,
-                                      temperature), aggregate).argmax(-1)
+                                      temperature), aggregate,
+                            _evidence(view_evidence, slice(start, start + chunk)), confidence_temperature).argmax(-1)
             for start in range(0, teacher_hidden.shape[0], chunk)]
     return torch.cat(tops) if tops else teacher_hidden.new_zeros(0, dtype=torch.long)
 

@@ -73,7 +73,8 @@ class MASSConfig(SelfDistillConfig):
     full_view: bool = False  # the first view is always the whole reference (the others are masked draws)
     span_unit: str = "step"  # step (the task's solution steps) | sentence | tokens
     span_tokens: int = 16  # window size for span_unit=tokens
-    aggregate: str = "geometric"  # geometric (normalised mean of log-probs) | mean (of probabilities) | backed | confident
+    aggregate: str = "geometric"  # geometric | mean | backed | confident | posterior (docs/mass.md)
+    confidence_temperature: float = 0.3  # nats: confident / posterior weigh a view by exp(-entropy / this); 0 = off
     gate: bool = True
     gate_margin: float = 0.0  # keep tokens where the teacher's excess mass over the student exceeds this
     gate_support: float = 0.5  # ... and at least this share of the views has the aggregate's top token
@@ -95,6 +96,9 @@ class MASSConfig(SelfDistillConfig):
             raise ValueError(f"algo.span_unit={self.span_unit} is not one of {', '.join(SPAN_UNITS)}")
         if self.aggregate not in losses.AGGREGATES:
             raise ValueError(f"algo.aggregate={self.aggregate} is not one of {', '.join(losses.AGGREGATES)}")
+        if self.confidence_temperature < 0 or (self.aggregate == "confident" and self.confidence_temperature == 0):
+            raise ValueError(f"algo.confidence_temperature={self.confidence_temperature} must be >= 0 (> 0 with "
+                             "algo.aggregate=confident)")
         if not 0.0 <= self.gate_support <= 1.0:
             raise ValueError(f"algo.gate_support={self.gate_support} must be in [0, 1]")
         if not 0.0 < self.gate_agreement_quantile <= 1.0:
@@ -141,6 +145,23 @@ def draw_views(rng: random.Random, rates: Sequence[float], k: int, tries: int = 
         seen.add(mask)
         views.append(list(mask))
     return views
+
+
+@torch.no_grad()
+def view_evidence(hidden: torch.Tensor, head: Any, input_ids: torch.Tensor, sel: torch.Tensor,
+                  temperature: float, chunk: int) -> torch.Tensor:
+    """(B, T, K) each view's evidence per completion token: its log-likelihood of the completion written
+    before the token, `sum_{s<t} log p_k(y_s)` over the row's completion tokens s in `sel`; its softmax
+    over the views is their posterior given that text (a uniform prior). A view whose reference conflicts
+    with the path the student is on explains that path badly and loses its weight. hidden (B, T, K, H)
+    predicting input_ids (B, T) at the `sel` (B, T) positions."""
+    k = hidden.shape[2]
+    feats, targets = hidden[sel], input_ids[sel]  # (N, K, H), (N,)
+    token = torch.stack([losses.chunked_token_logprobs(feats[:, j], head, targets, temperature, chunk)
+                         for j in range(k)], dim=-1)  # (N, K)
+    dense = torch.zeros(sel.shape + (k,), dtype=torch.float32, device=hidden.device)
+    dense[sel] = token.float()
+    return dense.cumsum(1) - dense  # exclusive prefix sums: the tokens before t
 
 
 def gate_tokens(stats: dict[str, torch.Tensor], cfg: MASSConfig) -> torch.Tensor:
@@ -288,6 +309,10 @@ class MASS:
             hidden = teacher_hidden(teacher, views, tokens, starts, width, c.teacher_batch_size, ctx.device,
                                     uids)  # (B, T, K, H)
             batch.teacher = TeacherTerms(hidden, detached_head(teacher))
+            if c.aggregate == "posterior":
+                batch.teacher.view_evidence = view_evidence(
+                    hidden, batch.teacher.head, batch.input_ids, batch.loss_mask.bool(), c.temperature,
+                    chunk_size(c, batch.teacher.head, batch))
             if diagnose:  # the full-reference teacher (OPSD's), for comparison only: not in the loss
                 full = teacher_hidden(teacher, [[encode_prompt(tok, task.teacher_prompt(ex, ex.solution))] for ex in examples],
                                       tokens, starts, width, c.teacher_batch_size, ctx.device, uids)
@@ -303,8 +328,11 @@ class MASS:
             sel, head = batch.loss_mask.bool(), batch.teacher.head
             chunk = chunk_size(c, head, batch)
             if views_top is None:  # no gate statistics were computed: the aggregated views' top token here
+                evidence = batch.teacher.view_evidence
                 views_top = losses.teacher_top_tokens(hidden[sel], head, temperature=c.temperature,
-                                                      aggregate=c.aggregate, chunk=chunk)
+                                                      aggregate=c.aggregate, chunk=chunk,
+                                                      view_evidence=None if evidence is None else evidence[sel],
+                                                      confidence_temperature=c.confidence_temperature)
             full_top = losses.teacher_top_tokens(full[sel], head, temperature=c.temperature, chunk=chunk)
             batch.metrics.update(path_metrics(task, tok, examples, tokens, batch,
                                               {"full": full_top, "views": views_top}, kept))
@@ -322,7 +350,9 @@ class MASS:
         student = predicting(hidden)[sel]  # (N, H)
         stats = losses.self_distill_diagnostics(
             student, detached_head(ctx.policy), batch.teacher.hidden[sel], batch.teacher.head,
-            temperature=c.temperature, aggregate=c.aggregate, chunk=chunk_size(c, batch.teacher.head, batch))
+            temperature=c.temperature, aggregate=c.aggregate, chunk=chunk_size(c, batch.teacher.head, batch),
+            view_evidence=None if batch.teacher.view_evidence is None else batch.teacher.view_evidence[sel],
+            confidence_temperature=c.confidence_temperature)
         n = max(int(sel.sum()), 1)
         # correction tokens: the aggregated teacher would change the student's choice (its top is not the
         # sampled token, and the student gives that top less than the teacher does)

@@ -92,7 +92,9 @@ def distill_terms(feats: torch.Tensor, head: Optional[Head], micro: Batch, sel: 
     div, token_logp = losses.chunked_self_distill(
         feats[sel], head, teacher.hidden[sel], teacher.head, micro.input_ids[sel], beta=cfg.beta,
         temperature=cfg.temperature, top_k=cfg.teacher_top_k, form=cfg.divergence,
-        aggregate=getattr(cfg, "aggregate", "mean"), chunk=chunk_size(cfg, teacher.head, micro))  # (N,), (N,)
+        aggregate=getattr(cfg, "aggregate", "mean"), chunk=chunk_size(cfg, teacher.head, micro),
+        view_evidence=None if teacher.view_evidence is None else teacher.view_evidence[sel],
+        confidence_temperature=getattr(cfg, "confidence_temperature", 0.0))  # (N,), (N,)
     if cfg.token_clip > 0:
         div = div.clamp(max=cfg.token_clip)
     weights = torch.ones_like(div) if micro.token_weights is None else micro.token_weights[sel].to(div.dtype)

@@ -184,11 +184,43 @@ def test_confident_aggregate_weights_views_by_their_entropy():
     w = 0.669116
     raw = [0.9 ** w, 0.05 ** w, 0.05 ** w]
     expected = torch.tensor([x / sum(raw) for x in raw], dtype=torch.float64)  # [0.8669, 0.0666, 0.0666]
-    got = losses.aggregate_views(views, "confident").exp()
+    got = losses.aggregate_views(views, "confident", confidence_temperature=1.0).exp()
     assert torch.allclose(got, expected, atol=1e-5)
     # sharper than the plain geometric mean (p_A^0.5), which the flat view tempers more
     assert got[0] > losses.aggregate_views(views, "geometric").exp()[0] + 0.05
+    # a lower temperature trusts the confident view more: tau 0.3 -> w_A = 1 / (1 + e^-(0.704215 / 0.3)) = 0.912726
+    w = 0.912726
+    raw = [0.9 ** w, 0.05 ** w, 0.05 ** w]
+    assert torch.allclose(losses.aggregate_views(views, "confident", confidence_temperature=0.3).exp(),
+                          torch.tensor([x / sum(raw) for x in raw], dtype=torch.float64), atol=1e-5)
     # equal views: that view; one view: returned as it is
     same = torch.stack([_logp([0.6, 0.3, 0.1])] * 3)
-    assert torch.allclose(losses.aggregate_views(same, "confident").exp(), torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64))
+    assert torch.allclose(losses.aggregate_views(same, "confident", confidence_temperature=1.0).exp(),
+                          torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64))
     assert torch.equal(losses.aggregate_views(views[:1], "confident"), views[0])
+    with pytest.raises(ValueError, match="confidence_temperature > 0"):
+        losses.aggregate_views(views, "confident")
+
+
+def test_posterior_aggregate_is_the_weighted_geometric_mean():
+    # weights 3/4, 1/4 over A = [0.9, 0.05, 0.05], B = [0.2, 0.6, 0.2]:
+    # p_T proportional to A^0.75 B^0.25 = [0.9^.75 0.2^.25, 0.05^.75 0.6^.25, 0.05^.75 0.2^.25]
+    views = torch.stack([_logp([0.9, 0.05, 0.05]), _logp([0.2, 0.6, 0.2])])
+    raw = [0.9 ** 0.75 * 0.2 ** 0.25, 0.05 ** 0.75 * 0.6 ** 0.25, 0.05 ** 0.75 * 0.2 ** 0.25]
+    expected = torch.tensor([x / sum(raw) for x in raw], dtype=torch.float64)
+    evidence = torch.tensor([0.75, 0.25], dtype=torch.float64).log()  # the views' posterior, as log-likelihoods
+    got = losses.aggregate_views(views, "posterior", evidence).exp()  # confidence_temperature 0: posterior alone
+    assert torch.allclose(got, expected, atol=1e-6)
+    # equal evidence: the plain geometric mean; one view far more likely: that view
+    assert torch.allclose(losses.aggregate_views(views, "posterior", torch.zeros(2, dtype=torch.float64)),
+                          losses.aggregate_views(views, "geometric"), atol=1e-9)
+    assert torch.allclose(losses.aggregate_views(views, "posterior", torch.tensor([-80.0, 0.0], dtype=torch.float64)),
+                          views[1], atol=1e-9)
+    # with the confidence term: w = softmax(evidence - H / tau); H_A = 0.394397, H_B = 0.950271 (by hand:
+    # 0.2 ln 5 x 2 + 0.6 ln(1/0.6)), tau 0.5 -> w_A = 1 / (1 + (1/3) e^-((0.950271 - 0.394397) / 0.5)) = 0.901176
+    w = 0.901176
+    raw = [0.9 ** w * 0.2 ** (1 - w), 0.05 ** w * 0.6 ** (1 - w), 0.05 ** w * 0.2 ** (1 - w)]
+    got = losses.aggregate_views(views, "posterior", evidence, confidence_temperature=0.5).exp()
+    assert torch.allclose(got, torch.tensor([x / sum(raw) for x in raw], dtype=torch.float64), atol=1e-5)
+    with pytest.raises(ValueError, match="needs each view's evidence"):
+        losses.aggregate_views(views, "posterior")

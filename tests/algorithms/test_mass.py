@@ -10,7 +10,8 @@ import torch
 from algorithms.base import Batch, TeacherTerms
 from algorithms import losses
 from algorithms.mass import (
-    MASS, InfluenceTracker, MASSConfig, draw_views, gate_tokens, mask_probs, mask_rates, span_influence, split_spans,
+    MASS, InfluenceTracker, MASSConfig, draw_views, gate_tokens, mask_probs, mask_rates, view_evidence,
+    span_influence, split_spans,
 )
 from algorithms.opsd import OPSD, OPSDConfig
 
@@ -222,3 +223,35 @@ def test_grad_accumulation_invariance():
     full, accumulated = grads(model, algo, batch, 6), grads(model, algo, batch, 2)
     for name in full:
         assert torch.allclose(full[name], accumulated[name], atol=1e-6, rtol=1e-4), name
+
+
+def test_view_evidence_is_how_well_each_view_explains_the_completion_so_far():
+    # one row: a prompt position (not a completion token), then completion tokens y = [0, 1, 1];
+    # identity head, so the hidden states are the views' log-probs. View A: p(0)=0.8 everywhere;
+    # view B: p(0)=0.2. Before y0: uniform. Before y1 (y0 = 0): (0.8, 0.2). Before y2 (y0 y1 = 0 1):
+    # (0.8 x 0.2, 0.2 x 0.8) -> (1/2, 1/2).
+    a, b = torch.tensor([0.8, 0.2]).log(), torch.tensor([0.2, 0.8]).log()
+    hidden = torch.stack([a, b]).expand(1, 4, 2, 2).clone()  # (B=1, T=4, K=2, V=2)
+    ids = torch.tensor([[1, 0, 1, 1]])
+    sel = torch.tensor([[False, True, True, True]])
+    e = view_evidence(hidden, (torch.eye(2), None), ids, sel, 1.0, chunk=2)
+    assert e.shape == (1, 4, 2) and torch.allclose(e[0, 2], torch.tensor([0.8, 0.2]).log())
+    w = torch.softmax(e, dim=-1)  # the posterior over the two views
+    assert torch.allclose(w[0, 1], torch.tensor([0.5, 0.5]))
+    assert torch.allclose(w[0, 2], torch.tensor([0.8, 0.2]), atol=1e-6)
+    assert torch.allclose(w[0, 3], torch.tensor([0.5, 0.5]), atol=1e-6)
+
+
+def test_posterior_aggregate_end_to_end_in_a_batch_and_across_micro_batches():
+    model, tok = tiny()
+    task = arith()
+    algo = MASS(MASSConfig(aggregate="posterior", num_views=3))
+    batch = algo.make_batch(task.train_examples()[:4], ctx(model, tok, task))
+    sel = batch.loss_mask.bool()
+    e = batch.teacher.view_evidence
+    assert e.shape == sel.shape + (3,) and (e[sel] <= 0).all()
+    first = sel.float().argmax(1)  # each row's first completion token: no evidence yet
+    assert (e[torch.arange(4), first] == 0).all()
+    # the weights travel with their rows: one micro-batch or four give the same gradients
+    whole, split = grads(model, algo, batch, 4), grads(model, algo, batch, 1)
+    assert all(torch.allclose(whole[n], split[n], atol=1e-6) for n in whole)
