@@ -47,8 +47,9 @@ DESIGNS = {  # the rows of docs/mass.md "Choosing the aggregate and the gate"
     "mass-confident": ["+algo=mass", "algo.aggregate=confident"],
     "mass-posterior": ["+algo=mass", "algo.aggregate=posterior"],
     "mass-posterior-tau0": ["+algo=mass", "algo.aggregate=posterior", "algo.confidence_temperature=0"],
+    "mass-posterior-full": ["+algo=mass", "algo.aggregate=posterior", "algo.full_view=true"],
 }
-CANDIDATES = ("mass-backed", "mass-confident", "mass-posterior", "mass-posterior-tau0")  # aggregates tried against OPSD at the defaults (docs/mass.md)
+CANDIDATES = ("mass-backed", "mass-confident", "mass-posterior", "mass-posterior-tau0", "mass-posterior-full")  # aggregates tried against OPSD at the defaults (docs/mass.md)
 GROUPS = {
     "designs": [(f"arith-{name}-s0-lr1e-4", [*o, "seed=0", *DESIGN_BUDGET]) for name, o in DESIGNS.items()],
     "seeds": [(f"{data}-{name}-s{seed}", [*DESIGNS[name], f"seed={seed}", *([f"data={data}"] if data != "arith" else [])])
