@@ -8,10 +8,14 @@ and its formulas: docs/mass.md). Per step, on top of OPSD (algorithms/opsd.py; s
    `mask_ratio` (a Bernoulli draw per span, shaped by the adaptive distribution of step 4) behind the
    task's mask token; a view may hide nothing, the K views of a question are distinct where possible
    (`full_view`: the first is always the whole reference). The K teacher passes run batched.
-2. The teacher distribution per completion token aggregates the K views: mean of probabilities (a
-   Monte-Carlo estimate of the marginal over reference realisations), `geometric` (normalised mean of
-   log-probabilities: a view that lost the information and spreads its mass barely moves it), or
-   `backed` (the mean over the views whose top token is the mean's).
+2. The teacher distribution per completion token aggregates the K views. The default, `posterior`:
+   a geometric mean whose weights are each view's posterior given the completion written so far (its
+   likelihood of those tokens, uniform prior) times its confidence (exp(-entropy / tau)), with the
+   whole reference as view 1 (`full_view`): on the reference's path the views holding what the student
+   copies explain it best, off it (another valid path) those that hid the conflicting spans do.
+   Alternatives: mean of probabilities (a Monte-Carlo estimate of the marginal over reference
+   realisations), `geometric`, `backed` (the mean over the views whose top token is the mean's),
+   `confident` (weights from the confidence alone).
 3. Selective transfer: token weight 1 only where the aggregated teacher corrects the student (its
    excess mass on the tokens the student under-weights, sum_v max(0, p_T - p_S), above `gate_margin`)
    AND the views back it (at least `gate_support` of them have the aggregate's top token: where most
@@ -70,10 +74,10 @@ class MASSConfig(SelfDistillConfig):
     name: str = "mass"
     num_views: int = 4  # K masked views of the reference per question
     mask_ratio: float = 0.3  # probability that a view masks a span (Bernoulli per span)
-    full_view: bool = False  # the first view is always the whole reference (the others are masked draws)
+    full_view: bool = True  # the first view is always the whole reference (the others are masked draws)
     span_unit: str = "step"  # step (the task's solution steps) | sentence | tokens
     span_tokens: int = 16  # window size for span_unit=tokens
-    aggregate: str = "geometric"  # geometric | mean | backed | confident | posterior (docs/mass.md)
+    aggregate: str = "posterior"  # posterior | geometric | mean | backed | confident (docs/mass.md)
     confidence_temperature: float = 0.3  # nats: confident / posterior weigh a view by exp(-entropy / this); 0 = off
     gate: bool = True
     gate_margin: float = 0.0  # keep tokens where the teacher's excess mass over the student exceeds this

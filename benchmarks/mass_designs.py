@@ -31,23 +31,26 @@ TABLE = ROOT / "docs" / "results" / "mass_designs.md"
 DESIGN_BUDGET = ["trainer.max_steps=100", "trainer.eval_every=50", "trainer.lr=1e-4"]  # the design comparison
 
 # name -> overrides; every other key at its default
-DESIGNS = {  # the rows of docs/mass.md "Choosing the aggregate and the gate"
+EARLIER = ["algo.aggregate=geometric", "algo.full_view=false"]  # MASS's defaults before the posterior aggregate
+# name -> overrides; every other key at its default
+DESIGNS = {  # the rows of docs/mass.md "The earlier design study", then the aggregates compared at the defaults
     "opsd": ["+algo=opsd"],
-    "mass-agreement-q0.8": ["+algo=mass", "algo.aggregate=mean", "algo.gate_margin=0", "algo.gate_support=0",
-                            "algo.gate_agreement_quantile=0.8"],
-    "mass-nogate-mean": ["+algo=mass", "algo.aggregate=mean", "algo.gate=false"],
-    "mass-nogate-geometric": ["+algo=mass", "algo.gate=false"],
-    "mass-margin0.05-mean": ["+algo=mass", "algo.aggregate=mean", "algo.gate_margin=0.05"],
+    "mass-agreement-q0.8": ["+algo=mass", "algo.aggregate=mean", "algo.full_view=false", "algo.gate_margin=0",
+                            "algo.gate_support=0", "algo.gate_agreement_quantile=0.8"],
+    "mass-nogate-mean": ["+algo=mass", "algo.aggregate=mean", "algo.full_view=false", "algo.gate=false"],
+    "mass-nogate-geometric": ["+algo=mass", *EARLIER, "algo.gate=false"],
+    "mass-margin0.05-mean": ["+algo=mass", "algo.aggregate=mean", "algo.full_view=false", "algo.gate_margin=0.05"],
     "mass-margin0.05-mean-fullview": ["+algo=mass", "algo.aggregate=mean", "algo.gate_margin=0.05", "algo.full_view=true"],
-    "mass-margin0.05-backed": ["+algo=mass", "algo.aggregate=backed", "algo.gate_margin=0.05"],
-    "mass-margin0.05-geometric": ["+algo=mass", "algo.gate_margin=0.05"],
-    "mass-margin0.01-geometric": ["+algo=mass", "algo.gate_margin=0.01"],
-    "mass-gate": ["+algo=mass"],  # the defaults: geometric, correction > 0, support 1/2
-    "mass-backed": ["+algo=mass", "algo.aggregate=backed"],
-    "mass-confident": ["+algo=mass", "algo.aggregate=confident"],
-    "mass-posterior": ["+algo=mass", "algo.aggregate=posterior"],
-    "mass-posterior-tau0": ["+algo=mass", "algo.aggregate=posterior", "algo.confidence_temperature=0"],
-    "mass-posterior-full": ["+algo=mass", "algo.aggregate=posterior", "algo.full_view=true"],
+    "mass-margin0.05-backed": ["+algo=mass", "algo.aggregate=backed", "algo.full_view=false", "algo.gate_margin=0.05"],
+    "mass-margin0.05-geometric": ["+algo=mass", *EARLIER, "algo.gate_margin=0.05"],
+    "mass-margin0.01-geometric": ["+algo=mass", *EARLIER, "algo.gate_margin=0.01"],
+    "mass-gate": ["+algo=mass", *EARLIER],  # the earlier defaults: geometric, masked views only, the gate
+    "mass-backed": ["+algo=mass", "algo.aggregate=backed", "algo.full_view=false"],
+    "mass-confident": ["+algo=mass", "algo.aggregate=confident", "algo.full_view=false"],
+    "mass-posterior": ["+algo=mass", "algo.aggregate=posterior", "algo.full_view=false"],
+    "mass-posterior-tau0": ["+algo=mass", "algo.aggregate=posterior", "algo.full_view=false",
+                            "algo.confidence_temperature=0"],
+    "mass-posterior-full": ["+algo=mass", "algo.aggregate=posterior", "algo.full_view=true"],  # = the defaults
 }
 CANDIDATES = ("mass-backed", "mass-confident", "mass-posterior", "mass-posterior-tau0", "mass-posterior-full")  # aggregates tried against OPSD at the defaults (docs/mass.md)
 GROUPS = {
