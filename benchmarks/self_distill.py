@@ -25,6 +25,15 @@ than two evals per run the held-out curves (student and teacher prompt, mean +- 
 and the path diagnostics; writes `self_distill.json` and, with matplotlib, `self_distill_curves.png`
 into the runs directory; last line JSON. A run that finished into the same `--keep` directory with
 the same overrides is reused.
+
+With `--long` every finished (setting, method, seed) run also writes its result to
+`docs/results/self_distill/SETTING-METHOD-sSEED.json` (`--results DIR` elsewhere), with the overrides
+it ran with; a restarted benchmark skips every run whose file holds the same overrides, so the long
+runs (hours on 2 cores) accumulate across sessions. `docs/results/self_distill.md` (and its PNG) is
+rendered from all the files there after every run; `--render` only rewrites it.
+
+    nohup python benchmarks/self_distill.py --long --workers 1 > /tmp/long.log 2>&1 &
+    python benchmarks/self_distill.py --render
 """
 from __future__ import annotations
 
@@ -95,10 +104,31 @@ def overrides(method: str, setting: str, seed: int, args, out: str) -> list[str]
             "trainer.resume=never", "logging.wandb=false", "logging.progress=false", *extra, *args.extra, *variant]
 
 
+RESULTS = os.path.join(ROOT, "docs", "results", "self_distill")
+
+
+def portable(argv: list[str]) -> list[str]:
+    """The overrides with the model's cache path reduced to its recipe directory (tiny-<hash>), so the
+    same run has the same key on every machine."""
+    return [f"model.path={os.path.basename(a.split('=', 1)[1].rstrip('/'))}" if a.startswith("model.path=") else a
+            for a in argv if not a.startswith("output_dir=")]
+
+
+def result_path(results: str, setting: str, method: str, seed: int) -> str:
+    return os.path.join(results, f"{setting}-{method}-s{seed}.json")
+
+
 def run_one(job) -> dict:
     method, setting, seed, args, base = job
     argv = overrides(method, setting, seed, args, "OUT")
     key = hashlib.sha256(json.dumps(argv).encode()).hexdigest()[:8]  # another setting of the flags: another run
+    record = result_path(args.results, setting, method, seed) if args.results else None
+    if record and os.path.exists(record):
+        earlier = json.load(open(record))
+        if earlier.get("overrides") == portable(argv):
+            print(f"  {setting:10s} {method:5s} seed {seed}: done earlier ({record}), skipped", flush=True)
+            return earlier
+        print(f"  {setting:10s} {method:5s} seed {seed}: {record} ran with other overrides; running again", flush=True)
     out = os.path.join(base, f"{setting}-{method}-{seed}-{key}")
     argv = [a.replace("output_dir=OUT", f"output_dir={out}") for a in argv]
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
@@ -136,7 +166,80 @@ def run_one(job) -> dict:
         result["teacher_before"], result["teacher_after"] = evals[0]["teacher_accuracy"], evals[-1]["teacher_accuracy"]
     print(f"  {setting:10s} {method:5s} seed {seed}: {result['before']:.3f} -> {result['after']:.3f}  "
           f"({wall:.0f}s)", flush=True)
+    if record:
+        result["overrides"] = portable(argv)
+        os.makedirs(args.results, exist_ok=True)
+        with open(record + ".tmp", "w") as fh:
+            json.dump(result, fh, indent=1)
+        os.replace(record + ".tmp", record)  # published only when complete
+        render(args.results)
     return result
+
+
+def summarise(results: list[dict], settings: list[str], methods: list[str]) -> list[dict]:
+    """One row per (setting, method) over the seeds run: final accuracy, curves, diagnostics."""
+    table = []
+    for s in settings:
+        for m in methods:
+            rs = [r for r in results if r["setting"] == s and r["method"] == m]
+            if not rs:
+                continue
+            after, std = mean_std([r["after"] for r in rs])
+            row = {"setting": s, "method": m, "before": statistics.fmean(r["before"] for r in rs),
+                   "after_mean": after, "after_std": std, "after_per_seed": [r["after"] for r in rs],
+                   "seeds": [r["seed"] for r in rs], "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in rs),
+                   "wall_s": statistics.fmean(r["wall_s"] for r in rs)}
+            for k in DIAGNOSTICS + ("teacher_before", "teacher_after") + tuple(
+                    f"{k}@{part}" for k in PATH_DIAGNOSTICS for part in ("first", "last")):
+                if all(k in r for r in rs):
+                    row[k] = statistics.fmean(r[k] for r in rs)
+            curves = [dict((int(step), acc) for step, acc in r["curve"]) for r in rs]
+            steps = sorted(set.intersection(*(set(c) for c in curves)))
+            row["curve"] = {step: statistics.fmean(c[step] for c in curves) for step in steps}
+            row["curves"] = {k: curve_stats(rs, k) for k in CURVE_KEYS if curve_stats(rs, k)}
+            # how far each seed ended below its own best eval (the decline the long runs are about)
+            row["drop_from_best"] = max(max(acc for _, acc in r["curve"]) - r["after"] for r in rs)
+            table.append(row)
+    return table
+
+
+def render(results_dir: str) -> str:
+    """docs/results/self_distill.md (and, with matplotlib, its PNG) from every result file in `results_dir`."""
+    runs = [json.load(open(os.path.join(results_dir, f))) for f in sorted(os.listdir(results_dir))
+            if f.endswith(".json")] if os.path.isdir(results_dir) else []
+    settings = list(dict.fromkeys(r["setting"] for r in runs))
+    methods = list(dict.fromkeys(r["method"] for r in runs))
+    table = summarise(runs, settings, methods)
+    lines = ["# Long self-distillation runs (generated by benchmarks/self_distill.py --long)", "",
+             "Each run: `python train.py` with the overrides in its result file (docs/results/self_distill/), from the",
+             "setting's shipped default model; held-out greedy accuracy (n = `trainer.eval_examples`). `worst drop`: the",
+             "largest amount any seed ended below its own best eval.", "",
+             "| setting | method | seeds | step 0 | end (mean ± std) | per seed | worst drop | teacher prompt start → end | wall s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in table:
+        teacher = (f"{row['teacher_before']:.3f} → {row['teacher_after']:.3f}" if "teacher_after" in row else "")
+        lines.append(f"| {row['setting']} | {row['method']} | {len(row['seeds'])} | {row['before']:.3f} | "
+                     f"{row['after_mean']:.3f} ± {row['after_std']:.3f} | "
+                     f"{' / '.join(f'{a:.3f}' for a in row['after_per_seed'])} | {row['drop_from_best']:.3f} | "
+                     f"{teacher} | {row['wall_s']:.0f} |")
+    for row in table:
+        student = row["curves"].get("accuracy", {})
+        if len(student) > 2:
+            teacher = row["curves"].get("teacher_accuracy", {})
+            lines += ["", f"**{row['setting']} / {row['method']}**: held-out accuracy per eval step (mean ± std over "
+                      f"{len(row['seeds'])} seeds; teacher prompt)", "",
+                      "| step | student | teacher prompt |", "|---|---|---|"]
+            for step, (mean, std) in student.items():
+                t = f"{teacher[step][0]:.3f} ± {teacher[step][1]:.3f}" if step in teacher else ""
+                lines.append(f"| {step} | {mean:.3f} ± {std:.3f} | {t} |")
+    text = "\n".join(lines) + "\n"
+    out = os.path.join(os.path.dirname(results_dir.rstrip("/")), "self_distill.md")
+    with open(out + ".tmp", "w") as fh:
+        fh.write(text)
+    os.replace(out + ".tmp", out)
+    if table and any(len(row["curves"].get("accuracy", {})) > 1 for row in table):
+        plot(table, os.path.join(os.path.dirname(results_dir.rstrip("/")), "self_distill_curves.png"))
+    return text
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -213,7 +316,15 @@ def main() -> None:
                          "mass-m67=mass:algo.mask_ratio=0.67")
     ap.add_argument("--keep", default=None, help="directory for the runs (default: a temporary one)")
     ap.add_argument("--random-init", action="store_true", help="random tiny models, no warm start (smoke tests)")
+    ap.add_argument("--results", default=None,
+                    help="one JSON per finished run, skipped when found again (default with --long: docs/results/self_distill)")
+    ap.add_argument("--render", action="store_true", help="only rewrite docs/results/self_distill.md from --results")
     args = ap.parse_args()
+    if args.results is None and (args.long or args.render):
+        args.results = RESULTS
+    if args.render:
+        print(render(args.results))
+        return
     short = {"steps": 40, "eval_every": None, "seeds": "0,1,2", "methods": "sft,opsd,mass,tesd",
              "settings": "arith,arith-hard"}
     for key, value in (LONG if args.long else short).items():
@@ -246,28 +357,12 @@ def main() -> None:
     print(f"\n{len(jobs)} runs in {time.perf_counter() - started:.0f}s ({args.workers} side by side); "
           f"{args.steps} steps x {args.batch} rollouts each; accuracy on {args.eval_examples} held-out questions\n")
     print(f"{'setting':11s} {'method':6s} {'before':>7s} {'after (mean +- std)':>20s} {'tokens/s':>9s} {'wall s':>7s}  diagnostics")
-    table = []
     summary = DIAGNOSTICS[len(PATH_DIAGNOSTICS):] + ("teacher_before", "teacher_after")
-    for s in settings:
-        for m in methods:
-            rs = [r for r in results if r["setting"] == s and r["method"] == m]
-            after, std = mean_std([r["after"] for r in rs])
-            row = {"setting": s, "method": m, "before": statistics.fmean(r["before"] for r in rs),
-                   "after_mean": after, "after_std": std, "after_per_seed": [r["after"] for r in rs],
-                   "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in rs),
-                   "wall_s": statistics.fmean(r["wall_s"] for r in rs)}
-            for k in DIAGNOSTICS + ("teacher_before", "teacher_after") + tuple(
-                    f"{k}@{part}" for k in PATH_DIAGNOSTICS for part in ("first", "last")):
-                if all(k in r for r in rs):
-                    row[k] = statistics.fmean(r[k] for r in rs)
-            curves = [dict(r["curve"]) for r in rs]
-            steps = sorted(set.intersection(*(set(c) for c in curves)))
-            row["curve"] = {step: statistics.fmean(c[step] for c in curves) for step in steps}
-            row["curves"] = {k: curve_stats(rs, k) for k in CURVE_KEYS if curve_stats(rs, k)}
-            table.append(row)
-            diag = "  ".join(f"{k.split('/')[-1]}={row[k]:.3f}" for k in summary if k in row)
-            print(f"{s:11s} {m:6s} {row['before']:7.3f} {after:13.3f} +- {std:.3f} {row['tokens_per_s']:9.0f} "
-                  f"{row['wall_s']:7.0f}  {diag}")
+    table = summarise(results, settings, methods)
+    for row in table:
+        diag = "  ".join(f"{k.split('/')[-1]}={row[k]:.3f}" for k in summary if k in row)
+        print(f"{row['setting']:11s} {row['method']:6s} {row['before']:7.3f} {row['after_mean']:13.3f} +- "
+              f"{row['after_std']:.3f} {row['tokens_per_s']:9.0f} {row['wall_s']:7.0f}  {diag}")
     for row in table:
         student, teacher = row["curves"].get("accuracy", {}), row["curves"].get("teacher_accuracy", {})
         if len(student) > 2:  # eval_every below --steps: the held-out curves

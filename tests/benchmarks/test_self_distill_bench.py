@@ -18,8 +18,8 @@ def test_long_setting_smoke(tmp_path):
     pytest.importorskip("matplotlib")
     cmd = [sys.executable, str(ROOT / "benchmarks" / "self_distill.py"), "--long", "--random-init", "--steps", "2",
            "--eval-every", "1", "--seeds", "0,1", "--methods", "opsd,mass", "--settings", "multipath", "--batch", "4",
-           "--micro", "4", "--eval-examples", "4", "--keep", str(tmp_path), "--extra", "trainer.max_new_tokens=24",
-           "trainer.eval_max_new_tokens=24"]
+           "--micro", "4", "--eval-examples", "4", "--keep", str(tmp_path), "--results", str(tmp_path / "results"),
+           "--extra", "trainer.max_new_tokens=24", "trainer.eval_max_new_tokens=24"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -39,6 +39,11 @@ def test_long_setting_smoke(tmp_path):
     assert json.load(open(tmp_path / "self_distill.json")) == record
     png = tmp_path / "self_distill_curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # one result file per finished run, and the table rendered from them
+    assert sorted(os.listdir(tmp_path / "results")) == [f"multipath-{m}-s{seed}.json" for m in ("mass", "opsd")
+                                                        for seed in (0, 1)]
+    table = (tmp_path / "self_distill.md").read_text()
+    assert "| multipath | opsd | 2 |" in table and "| multipath | mass | 2 |" in table
     # a rerun reuses every finished run: same results, no run started again
     finished = sorted(p for p in os.listdir(tmp_path) if p.startswith("multipath-"))
     assert len(finished) == 4
@@ -46,6 +51,7 @@ def test_long_setting_smoke(tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads(again.stdout.strip().splitlines()[-1])["table"] == record["table"]
+    assert again.stdout.count("done earlier") == 4
     assert {p: os.path.getmtime(tmp_path / p / "wall_s") for p in finished} == stamps
 
 
@@ -66,3 +72,27 @@ def test_variants_are_methods_of_their_own():
     for bad in ("nolabel", "=mass:x=1", "label="):
         with pytest.raises(SystemExit, match="expected LABEL=ALGO"):
             bench.parse_variants([bad])
+
+
+def test_long_table_is_rendered_from_the_result_files(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import self_distill as bench
+
+    results = tmp_path / "self_distill"
+    results.mkdir()
+
+    def run(method, seed, curve, teacher):
+        return {"method": method, "setting": "arith", "seed": seed, "before": curve[0][1], "after": curve[-1][1],
+                "wall_s": 100.0, "tokens_per_s": 50.0, "curve": curve,
+                "curves": {"accuracy": curve, "teacher_accuracy": teacher},
+                "teacher_before": teacher[0][1], "teacher_after": teacher[-1][1], "overrides": ["+algo=" + method]}
+
+    runs = [run("opsd", 0, [[0, 0.4], [25, 0.6], [50, 0.5]], [[0, 0.9], [25, 0.9], [50, 0.8]]),
+            run("opsd", 1, [[0, 0.4], [25, 0.5], [50, 0.6]], [[0, 0.9], [25, 0.9], [50, 0.9]])]
+    for r in runs:
+        (results / f"arith-{r['method']}-s{r['seed']}.json").write_text(json.dumps(r))
+    text = bench.render(str(results))
+    # end 0.5 / 0.6: mean 0.55, std 0.0707; seed 0 ended 0.1 below its best (0.6 at step 25)
+    assert "| arith | opsd | 2 | 0.400 | 0.550 ± 0.071 | 0.500 / 0.600 | 0.100 | 0.900 → 0.850 | 100 |" in text
+    assert "| 25 | 0.550 ± 0.071 | 0.900 ± 0.000 |" in text
+    assert (tmp_path / "self_distill.md").read_text() == text
