@@ -155,11 +155,21 @@ def view_support(view_logp: Tensor, top: Tensor) -> Tensor:
     return (view_logp.argmax(-1) == top.unsqueeze(0)).float().mean(0)
 
 
-def teacher_top_k(student_logp: Tensor, teacher_logp: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Both distributions restricted to the teacher's top-k tokens and renormalised there. (..., V) -> (..., k)."""
+def teacher_top_k(student_logp: Tensor, teacher_logp: Tensor, k: int, tail: bool = False) -> tuple[Tensor, Tensor]:
+    """Both distributions restricted to the teacher's top-k tokens: renormalised there (..., V) -> (..., k),
+    or with `tail` kept as they are plus one tail bucket holding each side's mass outside those k tokens
+    (..., k + 1), so a student that puts its mass elsewhere still pays for it.
+    Example (k = 1, tail): teacher [0.7, 0.2, 0.1], student [0.4, 0.5, 0.1] -> [0.7, 0.3] and [0.4, 0.6]."""
     idx = teacher_logp.topk(k, dim=-1).indices
-    return (torch.log_softmax(student_logp.gather(-1, idx), dim=-1),
-            torch.log_softmax(teacher_logp.gather(-1, idx), dim=-1))
+    student_top, teacher_top = student_logp.gather(-1, idx), teacher_logp.gather(-1, idx)
+    if not tail:
+        return torch.log_softmax(student_top, dim=-1), torch.log_softmax(teacher_top, dim=-1)
+
+    def with_tail(top: Tensor) -> Tensor:
+        inside = torch.logsumexp(top, dim=-1, keepdim=True)  # log of the top-k mass, <= 0
+        outside = (-torch.expm1(inside)).clamp(min=torch.finfo(top.dtype).tiny).log()  # log(1 - mass)
+        return torch.cat([top, outside], dim=-1)
+    return with_tail(student_top), with_tail(teacher_top)
 
 
 def sampled_token_divergence(student_token_logp: Tensor, teacher_token_logp: Tensor) -> Tensor:
@@ -232,8 +242,8 @@ def _evidence(view_evidence: Optional[Tensor], sl: slice) -> Optional[Tensor]:
 
 def _distill_chunk(student_in: Tensor, student_head: Optional[Head], teacher_hidden: Tensor, teacher_head: Head,
                    targets: Tensor, beta: float, temperature: float, aggregate: str, top_k: int, form: str,
-                   view_evidence: Optional[Tensor] = None, confidence_temperature: float = 0.0
-                   ) -> tuple[Tensor, Tensor]:
+                   view_evidence: Optional[Tensor] = None, confidence_temperature: float = 0.0,
+                   top_k_tail: bool = False) -> tuple[Tensor, Tensor]:
     student_logp = head_logp(student_in, student_head, temperature)  # (n, V)
     with torch.no_grad():
         views = head_logp(teacher_hidden.transpose(0, 1), teacher_head, temperature)  # (K, n, V)
@@ -243,7 +253,7 @@ def _distill_chunk(student_in: Tensor, student_head: Optional[Head], teacher_hid
         teacher_token = teacher_logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         return sampled_token_divergence(token_logp, teacher_token), token_logp
     if top_k > 0:
-        student_logp, teacher_logp = teacher_top_k(student_logp, teacher_logp, top_k)
+        student_logp, teacher_logp = teacher_top_k(student_logp, teacher_logp, top_k, top_k_tail)
     return generalized_jsd(student_logp, teacher_logp, beta), token_logp
 
 
@@ -251,13 +261,13 @@ def chunked_self_distill(student_in: Tensor, student_head: Optional[Head], teach
                          teacher_head: Head, targets: Tensor, *, beta: float = 0.5, temperature: float = 1.0,
                          aggregate: str = "mean", top_k: int = 0, form: str = "full",
                          chunk: int = 512, view_evidence: Optional[Tensor] = None,
-                         confidence_temperature: float = 0.0) -> tuple[Tensor, Tensor]:
+                         confidence_temperature: float = 0.0, top_k_tail: bool = False) -> tuple[Tensor, Tensor]:
     """Per-token divergence between the student and the (aggregated) teacher, chunked over tokens.
 
     student_in (N, H) final hidden states predicting `targets` (N,) -- or (N, V) logits with
     student_head None; teacher_hidden (N, K, H) from K teacher views (no grad); teacher_head its
     output head. form "full": generalized JSD(beta) over the vocabulary (or the teacher's top-k
-    renormalised, top_k > 0); "sampled": the sampled-token form. `view_evidence` (N, K) and
+    renormalised, top_k > 0, or with a tail bucket, `top_k_tail`); "sampled": the sampled-token form. `view_evidence` (N, K) and
     `confidence_temperature`: for the `posterior` and `confident` aggregates. Returns (divergence (N,), student log-prob of
     each target (N,)); both carry the student's gradient.
     """
@@ -269,7 +279,8 @@ def chunked_self_distill(student_in: Tensor, student_head: Optional[Head], teach
     for start in range(0, targets.shape[0], chunk):
         sl = slice(start, start + chunk)
         args = (student_in[sl], student_head, teacher_hidden[sl], teacher_head, targets[sl],
-                beta, temperature, aggregate, top_k, form, _evidence(view_evidence, sl), confidence_temperature)
+                beta, temperature, aggregate, top_k, form, _evidence(view_evidence, sl), confidence_temperature,
+                top_k_tail)
         if student_in.requires_grad or (student_head is not None and student_head[0].requires_grad):
             div, logp = checkpoint(_distill_chunk, *args, use_reentrant=False)
         else:

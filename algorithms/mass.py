@@ -57,7 +57,7 @@ from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms
 from algorithms.rollouts import encode, encode_prompt, require_references, rollout_batch, rollout_metrics, sample
 from algorithms.scoring import detached_head, predicting, teacher_hidden
 from algorithms.selfdistill import (SelfDistillConfig, check_self_distill_config, chunk_size, diagnoses_paths,
-                                    distill_loss, path_metrics, self_teacher)
+                                    distill_loss, path_metrics, self_teacher, skip_leading_tokens)
 from models.anatomy import final_hidden
 from models.export import export_model
 from models.lora import train_all_or_lora
@@ -340,6 +340,7 @@ class MASS:
             full_top = losses.teacher_top_tokens(full[sel], head, temperature=c.temperature, chunk=chunk)
             batch.metrics.update(path_metrics(task, tok, examples, tokens, batch,
                                               {"full": full_top, "views": views_top}, kept))
+        skip_leading_tokens(batch, c.skip_first_tokens)
         return batch
 
     @torch.no_grad()

@@ -35,7 +35,7 @@ from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms
 from algorithms.rollouts import encode_prompt, require_references, rollout_batch, rollout_metrics, sample
 from algorithms.scoring import detached_head, teacher_hidden
 from algorithms.selfdistill import (SelfDistillConfig, diagnoses_paths, distill_loss, path_metrics,
-                                    reference_teacher_tops, self_teacher)
+                                    reference_teacher_tops, self_teacher, skip_leading_tokens)
 from models.export import export_model
 from models.lora import train_all_or_lora
 
@@ -76,6 +76,7 @@ class OPSD:
         if diagnoses_paths(self.cfg, task):
             batch.metrics.update(path_metrics(task, tok, examples, [c.tokens for c in completions], batch,
                                               reference_teacher_tops(batch, self.cfg)))
+        skip_leading_tokens(batch, self.cfg.skip_first_tokens)
         return batch
 
     def after_eval(self, result: dict, model: nn.Module) -> tuple[dict, list[str]]:

@@ -42,6 +42,8 @@ class SelfDistillConfig(LoRAOptions):
     divergence: str = "full"  # full (JSD over the vocabulary) | sampled (sampled-token form)
     token_clip: float = 0.0  # > 0: per-token hard clip of the divergence (clipped tokens get no gradient)
     teacher_top_k: int = 0  # > 0: both distributions restricted to the teacher's top-k, renormalised
+    top_k_tail: bool = False  # with teacher_top_k: keep each side's mass outside the top-k as one tail bucket
+    skip_first_tokens: int = 0  # > 0: the first N completion tokens of each student row carry no loss
     loss_chunk_tokens: int = 0  # tokens per logits chunk in the loss; 0 = from the vocabulary size (~256 MiB of logits)
     teacher_batch_size: int = 32  # rows per no-grad teacher forward
     # log paths/* (on / off the reference's solution path) when the task has several valid paths
@@ -73,6 +75,10 @@ def check_self_distill_config(cfg: Any) -> None:
         raise ValueError(f"algo.teacher_batch_size={cfg.teacher_batch_size} must be > 0")
     if cfg.lora_rank < 0 or cfg.loss_chunk_tokens < 0 or cfg.teacher_top_k < 0 or cfg.token_clip < 0:
         raise ValueError("algo.lora_rank, algo.loss_chunk_tokens, algo.teacher_top_k and algo.token_clip must be >= 0")
+    if cfg.skip_first_tokens < 0:
+        raise ValueError(f"algo.skip_first_tokens={cfg.skip_first_tokens} must be >= 0")
+    if cfg.top_k_tail and cfg.teacher_top_k == 0:
+        raise ValueError("algo.top_k_tail=true needs algo.teacher_top_k > 0 (the tail is the mass outside the top-k)")
 
 
 def self_teacher(cfg: Any) -> SelfTeacher:
@@ -91,7 +97,7 @@ def distill_terms(feats: torch.Tensor, head: Optional[Head], micro: Batch, sel: 
     teacher = micro.teacher
     div, token_logp = losses.chunked_self_distill(
         feats[sel], head, teacher.hidden[sel], teacher.head, micro.input_ids[sel], beta=cfg.beta,
-        temperature=cfg.temperature, top_k=cfg.teacher_top_k, form=cfg.divergence,
+        temperature=cfg.temperature, top_k=cfg.teacher_top_k, top_k_tail=cfg.top_k_tail, form=cfg.divergence,
         aggregate=getattr(cfg, "aggregate", "mean"), chunk=chunk_size(cfg, teacher.head, micro),
         view_evidence=None if teacher.view_evidence is None else teacher.view_evidence[sel],
         confidence_temperature=getattr(cfg, "confidence_temperature", 0.0))  # (N,), (N,)
@@ -99,6 +105,21 @@ def distill_terms(feats: torch.Tensor, head: Optional[Head], micro: Batch, sel: 
         div = div.clamp(max=cfg.token_clip)
     weights = torch.ones_like(div) if micro.token_weights is None else micro.token_weights[sel].to(div.dtype)
     return div, weights, token_logp
+
+
+def skip_leading_tokens(batch: Batch, n: int, rows: Optional[torch.Tensor] = None) -> None:
+    """Drop the first `n` completion tokens of each row (of `rows`, a (B,) bool; all rows when None)
+    from the loss: out of `loss_mask`, so out of the divergence and of the token count that normalises
+    it. The rollout and every teacher pass already used them (they are the prefix of what follows)."""
+    if n <= 0:
+        return
+    mask = batch.loss_mask.bool()
+    leading = mask & (mask.long().cumsum(1) <= n)
+    if rows is not None:
+        leading &= rows.to(mask.device).unsqueeze(1)
+    batch.loss_mask = batch.loss_mask.masked_fill(leading, 0)
+    if batch.token_weights is not None:
+        batch.token_weights = batch.token_weights.masked_fill(leading, 0)
 
 
 def chunk_size(cfg: Any, head: Head, batch: Batch) -> int:

@@ -39,7 +39,7 @@ from algorithms.dynamic_sampling import Retirement, check_dynamic_keys, fill_gro
 from algorithms.rollouts import completion_mask, encode, encode_prompt, require_references, rollout_batch, sample
 from algorithms.scoring import detached_head, predicting, scatter_tokens, student_features, teacher_hidden
 from algorithms.selfdistill import (SelfDistillConfig, check_self_distill_config, diagnoses_paths, distill_terms,
-                                    path_metrics, reference_teacher_tops)
+                                    path_metrics, reference_teacher_tops, skip_leading_tokens)
 from models.anatomy import final_hidden
 from models.export import export_model
 from models.lora import train_all_or_lora
@@ -197,6 +197,7 @@ class TESD:
         if diagnoses_paths(c, task):
             batch.metrics.update(path_metrics(task, tok, examples, [o.tokens for o in student_outs], student,
                                               reference_teacher_tops(student, c)))
+        skip_leading_tokens(batch, c.skip_first_tokens, rows=batch.row_group == STUDENT)  # the distillation rows
         return batch
 
     def correctness(self, task: Any, example: Any, text: str) -> float:

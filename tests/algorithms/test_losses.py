@@ -224,3 +224,21 @@ def test_posterior_aggregate_is_the_weighted_geometric_mean():
     assert torch.allclose(got, torch.tensor([x / sum(raw) for x in raw], dtype=torch.float64), atol=1e-5)
     with pytest.raises(ValueError, match="needs each view's evidence"):
         losses.aggregate_views(views, "posterior")
+
+
+def test_teacher_top_k_with_a_tail_bucket_keeps_the_mass_outside():
+    # k = 1: teacher [0.7, 0.2, 0.1] -> its top is token 0; student [0.4, 0.5, 0.1]
+    s, t = _logp([0.4, 0.5, 0.1]), _logp([0.7, 0.2, 0.1])
+    s_k, t_k = losses.teacher_top_k(s, t, 1, tail=True)
+    assert torch.allclose(s_k.exp(), torch.tensor([0.4, 0.6], dtype=torch.float64))
+    assert torch.allclose(t_k.exp(), torch.tensor([0.7, 0.3], dtype=torch.float64))
+    # the divergence over the k + 1 buckets: forward KL = 0.7 ln(0.7/0.4) + 0.3 ln(0.3/0.6)
+    expected = 0.7 * math.log(0.7 / 0.4) + 0.3 * math.log(0.3 / 0.6)
+    assert math.isclose(losses.generalized_jsd(s_k, t_k, 0.0).item(), expected, rel_tol=1e-9)
+    # without the tail both sides renormalise to [1] and the divergence is 0
+    s1, t1 = losses.teacher_top_k(s, t, 1)
+    assert losses.generalized_jsd(s1, t1, 0.0).item() == 0.0
+    # through the chunked loss (identity head: hidden = log-probs)
+    div, _ = losses.chunked_self_distill(s.float().unsqueeze(0), None, t.float().view(1, 1, 3),
+                                         (torch.eye(3), None), torch.tensor([0]), beta=0.0, top_k=1, top_k_tail=True)
+    assert math.isclose(div.item(), expected, rel_tol=1e-5)

@@ -204,3 +204,36 @@ def test_a_teacher_row_past_the_models_positions_is_refused_naming_the_example()
     assert hidden.shape[:3] == (1, 13, 1)
     with pytest.raises(ValueError, match=r"teacher row of example q7: .* > the model's \d+ positions"):
         teacher_hidden(model, [[prompt]], [completion + [2]], [3], 14, 4, torch.device("cpu"), ["q7"])
+
+
+def test_skip_first_tokens_drops_each_rows_leading_completion_tokens_from_the_loss():
+    from algorithms.selfdistill import skip_leading_tokens
+
+    # rows: prompt 2 tokens + 3 completion tokens; prompt 1 + 4 completion
+    mask = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
+    batch = Batch(torch.ones_like(mask), torch.ones_like(mask), mask.clone(), token_weights=mask.float() * 0.5)
+    skip_leading_tokens(batch, 2)
+    assert batch.loss_mask.tolist() == [[0, 0, 0, 0, 1], [0, 0, 0, 1, 1]]
+    assert batch.token_weights.tolist() == [[0, 0, 0, 0, 0.5], [0, 0, 0, 0.5, 0.5]]
+    only = Batch(torch.ones_like(mask), torch.ones_like(mask), mask.clone())
+    skip_leading_tokens(only, 1, rows=torch.tensor([False, True]))  # TESD: student rows only
+    assert only.loss_mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 1, 1]]
+    # in OPSD's batch: the normaliser counts N fewer tokens per row, and the loss equals the unskipped
+    # batch's loss with those tokens' weights set to 0 (up to the normaliser)
+    model, tok = tiny()
+    task = arith()
+    examples = task.train_examples()[:3]
+    full = OPSD(OPSDConfig()).make_batch(examples, ctx(model, tok, task))
+    skipped = OPSD(OPSDConfig(skip_first_tokens=3)).make_batch(examples, ctx(model, tok, task))
+    assert torch.equal(skipped.input_ids, full.input_ids)  # same rollouts (same generator seed)
+    lengths = full.loss_mask.sum(1)
+    assert torch.equal(skipped.loss_mask.sum(1), (lengths - 3).clamp(min=0))
+    algo = OPSD(OPSDConfig())
+    out = algo.loss(model, skipped, skipped.num_targets().float())
+    weighted = dataclasses.replace(full, token_weights=skipped.loss_mask.float())
+    ref = algo.loss(model, weighted, skipped.num_targets().float())
+    assert torch.allclose(out.loss, ref.loss, atol=1e-6)
+    with pytest.raises(ValueError, match="algo.skip_first_tokens=-1 must be >= 0"):
+        OPSDConfig(skip_first_tokens=-1).validate()
+    with pytest.raises(ValueError, match="top_k_tail=true needs algo.teacher_top_k > 0"):
+        OPSDConfig(top_k_tail=True).validate()
