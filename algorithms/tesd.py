@@ -167,7 +167,6 @@ class TESD:
             groups, fill = fill_groups(examples, ctx.draw_examples,
                                        lambda exs: rounds.pop() if rounds else self._sample_teacher(exs, ctx),
                                        c.dynamic_max_rounds, ctx.world)
-            groups = groups or own  # every question drawn was retired: the step's own groups
             if c.retire_after > 0:
                 self.retirement.share(ctx.world)
         else:
