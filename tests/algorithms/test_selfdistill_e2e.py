@@ -18,6 +18,8 @@ ROLLOUT = ["trainer.max_new_tokens=24", "trainer.max_steps=2"]
 @pytest.mark.parametrize("algo,extra,metric", [
     ("opsd", [], "opsd/divergence"),
     ("mass", ["algo.num_views=2", "algo.skip_first_tokens=2"], "mass/kept_fraction"),
+    ("mass", ["algo.num_views=3", "algo.full_view=false", "algo.aggregate=confident", "algo.confidence_temperature=0.5"],
+     "mass/kept_fraction"),
     ("mass", ["algo.num_views=3", "algo.full_view=true", "algo.aggregate=backed", "algo.teacher=ema"],
      "mass/kept_fraction"),
     ("tesd", ["algo.teacher_rollouts=2", "trainer.batch_size=4", "trainer.micro_batch_size=3", "algo.teacher_top_k=5",
