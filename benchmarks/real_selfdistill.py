@@ -22,6 +22,7 @@ overrides, reuses a finished SFT export in `--keep`, and re-renders `real_selfdi
 results folder from all files there (`--render` only renders).
 
     nohup python benchmarks/real_selfdistill.py > /tmp/real_sd.log 2>&1 &       # ~1 h on 2 cores
+    python benchmarks/real_selfdistill.py --methods opsd --seeds 0 --stabilisers "" --tag plain  # no stabilisers
     python benchmarks/real_selfdistill.py --methods opsd --seeds 0 --steps 4 --eval 10   # a smoke run
 """
 from __future__ import annotations
@@ -180,6 +181,7 @@ def main(argv=None) -> int:
     p.add_argument("--mem-gb", type=float, default=14.0, help="address-space cap of each train.py process")
     p.add_argument("--keep", default=os.path.join(ROOT, "outputs", "bench_real_selfdistill"))
     p.add_argument("--results", default=os.path.join(ROOT, "docs", "results", "real_selfdistill"))
+    p.add_argument("--tag", default="", help="a name part for runs of another setting (e.g. plain: opsd-plain-s0)")
     p.add_argument("--render", action="store_true", help="only rewrite the table from the result files")
     args = p.parse_args(argv)
     if args.render:
@@ -196,7 +198,7 @@ def main(argv=None) -> int:
     results = {"sft-stage": sft}
     for seed in [int(s) for s in args.seeds.split(",")]:
         for method in args.methods.split(","):
-            name = f"{method}-s{seed}"
+            name = f"{method}{'-' + args.tag if args.tag else ''}-s{seed}"
             out = os.path.join(keep, name)
             argv = [*method_run(args, method, seed, sft_dir), *common(args, out, args.steps, args.eval_every)]
             results[name] = run(args, name, argv, out)
