@@ -48,6 +48,21 @@ def logprob_gap(trainer_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor
     return masked_sum(diff, mask) / mask.sum().clamp(min=1)
 
 
+def importance_weights(trainer_logprobs: Tensor, sampler_logprobs: Tensor, clip: float
+                       ) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per token min(pi_train(y) / pi_sampler(y), clip), detached, and its metrics: the mean ratio
+    before the cap (`is_ratio`) and the share of tokens the cap bound (`is_clipped`). It reweights an
+    on-policy loss toward the policy being trained where the sampler's numerics (bf16, low-bit
+    rollouts) drew tokens with other probabilities. (N,) each.
+    Example: log-probs now [-1, -1], at sampling [-1, -2], clip 2 -> ratios [1, e = 2.718] -> [1, 2],
+    is_ratio 1.859, is_clipped 0.5. No tokens: no metrics."""
+    ratio = (trainer_logprobs.detach().float() - sampler_logprobs.float()).exp()
+    if ratio.numel() == 0:  # no tokens here (e.g. a micro-batch of TESD teacher rows): nothing to report
+        return ratio, {}
+    metrics = {"is_ratio": ratio.mean(), "is_clipped": (ratio > clip).float().mean()}
+    return ratio.clamp(max=clip), metrics
+
+
 # --- self-distillation (OPSD, MASS, TESD) -------------------------------------------------------
 # Distributions below are log-probabilities (..., V) already divided by the sampling temperature and
 # log-softmaxed; divergences are summed over the vocabulary and returned per token (...,).

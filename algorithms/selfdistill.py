@@ -44,6 +44,7 @@ class SelfDistillConfig(LoRAOptions):
     teacher_top_k: int = 0  # > 0: both distributions restricted to the teacher's top-k, renormalised
     top_k_tail: bool = False  # with teacher_top_k: keep each side's mass outside the top-k as one tail bucket
     skip_first_tokens: int = 0  # > 0: the first N completion tokens of each student row carry no loss
+    is_clip: float = 0.0  # > 0: weight each token by min(pi_train / pi_sampler, is_clip) of its sampled token
     loss_chunk_tokens: int = 0  # tokens per logits chunk in the loss; 0 = from the vocabulary size (~256 MiB of logits)
     teacher_batch_size: int = 32  # rows per no-grad teacher forward
     # log paths/* (on / off the reference's solution path) when the task has several valid paths
@@ -77,6 +78,8 @@ def check_self_distill_config(cfg: Any) -> None:
         raise ValueError("algo.lora_rank, algo.loss_chunk_tokens, algo.teacher_top_k and algo.token_clip must be >= 0")
     if cfg.skip_first_tokens < 0:
         raise ValueError(f"algo.skip_first_tokens={cfg.skip_first_tokens} must be >= 0")
+    if cfg.is_clip < 0 or 0 < cfg.is_clip < 1:
+        raise ValueError(f"algo.is_clip={cfg.is_clip} must be 0 (off) or >= 1 (a cap on pi_train / pi_sampler)")
     if cfg.top_k_tail and cfg.teacher_top_k == 0:
         raise ValueError("algo.top_k_tail=true needs algo.teacher_top_k > 0 (the tail is the mass outside the top-k)")
 
@@ -87,11 +90,13 @@ def self_teacher(cfg: Any) -> SelfTeacher:
 
 
 def distill_terms(feats: torch.Tensor, head: Optional[Head], micro: Batch, sel: torch.Tensor, cfg: Any
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token (divergence, weight, student log-prob of the token) over the tokens `sel` (B, T).
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token (divergence, weight, student log-prob of the token) over the tokens `sel` (B, T), and
+    the metrics of the importance weights (`is_clip`; empty when off).
 
     feats/head from `student_features`; the teacher from micro.teacher (hidden states and the head
-    they were made with); weights are micro.token_weights (1 where unset).
+    they were made with); weights are micro.token_weights (1 where unset), times the clipped
+    importance ratio with `is_clip`.
     """
     assert micro.teacher is not None, "make_batch must fill batch.teacher"
     teacher = micro.teacher
@@ -104,7 +109,13 @@ def distill_terms(feats: torch.Tensor, head: Optional[Head], micro: Batch, sel: 
     if cfg.token_clip > 0:
         div = div.clamp(max=cfg.token_clip)
     weights = torch.ones_like(div) if micro.token_weights is None else micro.token_weights[sel].to(div.dtype)
-    return div, weights, token_logp
+    extra: dict[str, torch.Tensor] = {}
+    if cfg.is_clip > 0:
+        if micro.rollout_logprobs is None:
+            raise ValueError("algo.is_clip > 0 needs the sampler's log-probs of the rollouts (batch.rollout_logprobs)")
+        ratio, extra = losses.importance_weights(token_logp, micro.rollout_logprobs[sel], cfg.is_clip)
+        weights = weights * ratio.to(weights.dtype)
+    return div, weights, token_logp, extra
 
 
 def skip_leading_tokens(batch: Batch, n: int, rows: Optional[torch.Tensor] = None) -> None:
@@ -141,10 +152,11 @@ def distill_loss(model: nn.Module, micro: Batch, normaliser: torch.Tensor, cfg: 
     """sum_t w_t D(p_S || p_T)_t / normaliser over the completion tokens, and metrics."""
     feats, head = student_features(model, micro.input_ids, micro.attention_mask)  # (B, T, H|V)
     sel = micro.loss_mask.bool()  # (B, T)
-    div, weights, token_logp = distill_terms(feats, head, micro, sel, cfg)
+    div, weights, token_logp, extra = distill_terms(feats, head, micro, sel, cfg)
     loss = losses.weighted_token_loss(div, weights, normaliser)
     n = max(int(div.numel()), 1)
-    metrics = {f"{prefix}/divergence": div.detach().sum() / n, f"{prefix}/weight": weights.detach().sum() / n}
+    metrics = {f"{prefix}/divergence": div.detach().sum() / n, f"{prefix}/weight": weights.detach().sum() / n,
+               **{f"{prefix}/{k}": v for k, v in extra.items()}}
     return StepOutput(loss, metrics, scatter_tokens(token_logp, sel))
 
 

@@ -251,7 +251,7 @@ class TESD:
         mask = micro.loss_mask.bool()
         is_teacher = (micro.row_group == TEACHER).unsqueeze(1)  # (B, 1)
         sel_s, sel_t = mask & ~is_teacher, mask & is_teacher
-        div, weights, logp_s = distill_terms(feats, head, micro, sel_s, c)
+        div, weights, logp_s, extra = distill_terms(feats, head, micro, sel_s, c)
         student_term = losses.weighted_token_loss(div, weights, normaliser[STUDENT])
         chunk = c.loss_chunk_tokens or losses.auto_chunk(micro.teacher.head[0].shape[0], 0)
         logp_t = losses.chunked_token_logprobs(feats[sel_t], head, micro.input_ids[sel_t], c.temperature,
@@ -261,7 +261,8 @@ class TESD:
         teacher_term = pg.sum() / normaliser[TEACHER]
         n_s, n_t = max(int(div.numel()), 1), max(int(pg.numel()), 1)
         metrics = {"tesd/student_loss": (div * weights).detach().sum() / n_s,
-                   "tesd/teacher_loss": pg.detach().sum() / n_t, "tesd/divergence": div.detach().sum() / n_s}
+                   "tesd/teacher_loss": pg.detach().sum() / n_t, "tesd/divergence": div.detach().sum() / n_s,
+                   **{f"tesd/{k}": v for k, v in extra.items()}}
         token_logprobs = scatter_tokens(logp_s, sel_s) + scatter_tokens(logp_t, sel_t)
         return StepOutput(student_term + c.alpha * teacher_term, metrics, token_logprobs)
 

@@ -144,8 +144,7 @@ def train_step(s: Session, batch: Batch) -> dict:
     if all(skip):  # an empty step on every rank: no forward, no backward, no optimizer step, no scheduler tick
         return _empty_step(s, batch, len(micros))
     run = [i for i, skipped in enumerate(skip) if not skipped]
-    logged = sum(1 for i in run if i < real)  # loss metrics are means over the micro-batches that ran
-    loss_sum, metric_sums, gaps = torch.zeros(()), {}, []
+    loss_sum, metric_sums, reported, gaps = torch.zeros(()), {}, {}, []
     for i in run:
         micro = micros[i]
         if s.activations is not None:  # the policy-update exposure of these tokens, known before backward
@@ -161,10 +160,14 @@ def train_step(s: Session, batch: Batch) -> dict:
             continue
         loss_sum += out.loss.detach().float().cpu()
         for k, v in out.metrics.items():
-            metric_sums[k] = metric_sums.get(k, 0.0) + v.detach().float().cpu() / logged
+            metric_sums[k] = metric_sums.get(k, 0.0) + v.detach().float().cpu()
+            reported[k] = reported.get(k, 0) + 1
         if micro.rollout_logprobs is not None and out.token_logprobs is not None:
             gaps.append(logprob_gap(out.token_logprobs, micro.rollout_logprobs, micro.loss_mask).cpu())
     grad_norm = backend.step(s.cfg.trainer.max_grad_norm)
+    # loss metrics are means over the micro-batches that ran and reported them (a micro-batch without,
+    # e.g., student tokens leaves the student-token metrics out rather than counting as 0)
+    metric_sums = {k: v / reported[k] for k, v in metric_sums.items()}
     metric_sums.update({k: v.detach().float().cpu() for k, v in batch.metrics.items()})
     if s.caps.zero_loss is not None:
         metric_sums[f"{s.algo.name}/skipped_micro_batches"] = torch.tensor(float(sum(skip)))

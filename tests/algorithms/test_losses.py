@@ -242,3 +242,15 @@ def test_teacher_top_k_with_a_tail_bucket_keeps_the_mass_outside():
     div, _ = losses.chunked_self_distill(s.float().unsqueeze(0), None, t.float().view(1, 1, 3),
                                          (torch.eye(3), None), torch.tensor([0]), beta=0.0, top_k=1, top_k_tail=True)
     assert math.isclose(div.item(), expected, rel_tol=1e-5)
+
+
+def test_importance_weights_cap_the_ratio_and_report_it():
+    now = torch.tensor([-1.0, -1.0, -2.0])
+    sampled = torch.tensor([-1.0, -2.0, -1.0])  # ratios 1, e, 1/e
+    weights, metrics = losses.importance_weights(now.requires_grad_(), sampled, clip=2.0)
+    assert torch.allclose(weights, torch.tensor([1.0, 2.0, math.exp(-1.0)]))
+    assert not weights.requires_grad  # a weight, not a path for the gradient
+    assert math.isclose(metrics["is_ratio"].item(), (1 + math.e + math.exp(-1)) / 3, rel_tol=1e-6)
+    assert math.isclose(metrics["is_clipped"].item(), 1 / 3, rel_tol=1e-6)
+    empty, none = losses.importance_weights(torch.zeros(0), torch.zeros(0), clip=2.0)
+    assert empty.numel() == 0 and none == {}  # no tokens (a micro-batch of TESD teacher rows): no metrics

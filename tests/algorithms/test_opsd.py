@@ -53,6 +53,27 @@ def test_loss_hand_computed_jsd_and_limits():
     assert math.isclose(out.token_logprobs[0, 1].item(), math.log(0.5), rel_tol=1e-6)
 
 
+def test_is_clip_weights_each_token_by_its_capped_importance_ratio():
+    model = ToyLM(torch.zeros(2, 2))  # the student gives the rollout token 1 probability 1/2
+    kl_t = 0.25 * math.log(0.25 / 0.375) + 0.75 * math.log(0.75 / 0.625)
+    kl_s = 0.5 * math.log(0.5 / 0.375) + 0.5 * math.log(0.5 / 0.625)
+    jsd = 0.5 * kl_t + 0.5 * kl_s  # teacher [1/4, 3/4], beta 0.5 (the hand-computed loss above)
+    for sampler_prob, weight in ((1 / 6, 2.0), (1.0, 0.5), (0.5, 1.0)):  # ratios 3 (capped at 2), 1/2, 1
+        batch = _toy_batch([0.0, math.log(3.0)])
+        batch.rollout_logprobs = torch.tensor([[0.0, math.log(sampler_prob)]])
+        out = _toy_algo(is_clip=2.0).loss(model, batch, torch.tensor(1.0))
+        assert math.isclose(out.loss.item(), weight * jsd, rel_tol=1e-5), sampler_prob
+        assert math.isclose(out.metrics["opsd/is_ratio"].item(), 0.5 / sampler_prob, rel_tol=1e-5)
+        assert out.metrics["opsd/is_clipped"].item() == (1.0 if sampler_prob < 0.25 else 0.0)
+    off = _toy_algo().loss(model, batch, torch.tensor(1.0))  # is_clip 0: no weighting, no metrics
+    assert math.isclose(off.loss.item(), jsd, rel_tol=1e-5) and "opsd/is_ratio" not in off.metrics
+    with pytest.raises(ValueError, match="needs the sampler's log-probs"):
+        _toy_algo(is_clip=2.0).loss(model, _toy_batch([0.0, 0.0]), torch.tensor(1.0))
+    for bad in (-1.0, 0.5):
+        with pytest.raises(ValueError, match=f"algo.is_clip={bad} must be 0"):
+            OPSDConfig(is_clip=bad).validate()
+
+
 def test_clipped_tokens_get_no_gradient():
     model = ToyLM(torch.zeros(2, 2))
     out = _toy_algo(beta=0.0, token_clip=0.01).loss(model, _toy_batch([0.0, math.log(3.0)]), torch.tensor(1.0))

@@ -16,14 +16,14 @@ ROLLOUT = ["trainer.max_new_tokens=24", "trainer.max_steps=2"]
 
 
 @pytest.mark.parametrize("algo,extra,metric", [
-    ("opsd", [], "opsd/divergence"),
+    ("opsd", ["algo.is_clip=2.0"], "opsd/is_ratio"),
     ("mass", ["algo.num_views=2", "algo.skip_first_tokens=2"], "mass/kept_fraction"),
     ("mass", ["algo.num_views=3", "algo.full_view=false", "algo.aggregate=confident", "algo.confidence_temperature=0.5"],
      "mass/kept_fraction"),
     ("mass", ["algo.num_views=3", "algo.full_view=true", "algo.aggregate=backed", "algo.teacher=ema"],
      "mass/kept_fraction"),
     ("tesd", ["algo.teacher_rollouts=2", "trainer.batch_size=4", "trainer.micro_batch_size=3", "algo.teacher_top_k=5",
-              "algo.top_k_tail=true"], "tesd/teacher_loss"),
+              "algo.top_k_tail=true", "algo.is_clip=2.0"], "tesd/is_clipped"),
     ("tesd", ["algo.teacher_rollouts=2", "trainer.batch_size=4", "algo.dynamic_sampling=true", "algo.dynamic_max_rounds=2",
               "algo.dynamic_metric=reward", "algo.retire_after=1"], "rollout/retired_unsolved"),
 ])
@@ -35,6 +35,9 @@ def test_torchrun_two_ranks_end_to_end(tmp_path, subprocess_env, algo, extra, me
     assert [x["step"] for x in train] == [1, 2]
     assert all(metric in x and "rollout/reward" in x for x in train)
     assert all(x["rollout/logprob_gap"] < 1e-3 for x in train)  # DDP trainer == engine sampler
+    for x in train:  # is_clip: the fp32 sampler is the trained policy, so the ratio is 1 and the cap never binds
+        assert all(abs(v - 1) < 1e-3 for k, v in x.items() if k.endswith("/is_ratio"))
+        assert all(v == 0 for k, v in x.items() if k.endswith("/is_clipped"))
     evals = [x for x in lines if x["split"] == "eval"]
     assert [x["step"] for x in evals] == [0, 2]  # before and after
     assert all("accuracy" in x and "teacher_accuracy" in x for x in evals)  # student and teacher prompts
