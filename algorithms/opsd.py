@@ -34,8 +34,10 @@ from torch import nn
 from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms
 from algorithms.rollouts import encode_prompt, require_references, rollout_batch, rollout_metrics, sample
 from algorithms.scoring import detached_head, teacher_hidden
-from algorithms.selfdistill import (SelfDistillConfig, diagnoses_paths, distill_loss, path_metrics,
-                                    reference_teacher_tops, self_teacher, skip_leading_tokens)
+from algorithms import losses
+from algorithms.selfdistill import (SelfDistillConfig, chunk_size, diagnoses_paths, distill_loss, path_metrics,
+                                    reference_teacher_tops, self_teacher, skip_leading_tokens,
+                                    truncate_after_rejection)
 from models.export import export_model
 from models.lora import train_all_or_lora
 
@@ -43,6 +45,15 @@ from models.lora import train_all_or_lora
 @dataclass
 class OPSDConfig(SelfDistillConfig):
     name: str = "opsd"
+    # > 0: each row's loss stops after its first token the teacher gives a probability below this (at the
+    # training temperature): the tokens after the student's first error, where the teacher knows little more
+    # than the student (docs/self_distill.md), leave the loss
+    truncate_below: float = 0.0
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0.0 <= self.truncate_below < 1.0:
+            raise ValueError(f"algo.truncate_below={self.truncate_below} must be in [0, 1)")
 
 
 class OPSD:
@@ -76,6 +87,12 @@ class OPSD:
         if diagnoses_paths(self.cfg, task):
             batch.metrics.update(path_metrics(task, tok, examples, [c.tokens for c in completions], batch,
                                               reference_teacher_tops(batch, self.cfg)))
+        if self.cfg.truncate_below > 0:
+            sel = batch.loss_mask.bool()
+            head = batch.teacher.head
+            logp = losses.chunked_token_logprobs(batch.teacher.hidden[sel][:, 0], head, batch.input_ids[sel],
+                                                 self.cfg.temperature, chunk_size(self.cfg, head, batch))
+            batch.metrics["opsd/truncated"] = truncate_after_rejection(batch, logp, self.cfg.truncate_below)
         skip_leading_tokens(batch, self.cfg.skip_first_tokens)
         return batch
 

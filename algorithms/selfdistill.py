@@ -9,6 +9,8 @@ weighted per token, summed and divided by the global token count.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Sequence
 
@@ -131,6 +133,24 @@ def skip_leading_tokens(batch: Batch, n: int, rows: Optional[torch.Tensor] = Non
     batch.loss_mask = batch.loss_mask.masked_fill(leading, 0)
     if batch.token_weights is not None:
         batch.token_weights = batch.token_weights.masked_fill(leading, 0)
+
+
+def truncate_after_rejection(batch: Batch, teacher_logp: torch.Tensor, floor: float) -> torch.Tensor:
+    """Drop from the loss every completion token after the first one the teacher gives a probability
+    below `floor` (the student's first error, as the teacher reads it): out of `loss_mask` (so out of the
+    normaliser) and `token_weights`. The rejected token itself keeps its loss (the correction at the
+    error). `teacher_logp` (N,): the teacher's log-prob of each sampled token over `batch.loss_mask`,
+    row-major. Returns the share of completion tokens dropped.
+    Example: teacher probs per row [0.9, 0.2, 0.9, 0.9], floor 0.5 -> the last two leave the loss."""
+    sel = batch.loss_mask.bool()
+    rejected = torch.zeros_like(sel)
+    rejected[sel] = teacher_logp.to(sel.device) < math.log(floor)
+    after = (rejected.long().cumsum(1) - rejected.long()) > 0  # strictly after the row's first rejection
+    drop = sel & after
+    batch.loss_mask = batch.loss_mask.masked_fill(drop, 0)
+    if batch.token_weights is not None:
+        batch.token_weights = batch.token_weights.masked_fill(drop, 0)
+    return drop.sum().float() / sel.sum().clamp(min=1).float()
 
 
 def chunk_size(cfg: Any, head: Head, batch: Batch) -> int:

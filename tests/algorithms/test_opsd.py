@@ -74,6 +74,39 @@ def test_is_clip_weights_each_token_by_its_capped_importance_ratio():
             OPSDConfig(is_clip=bad).validate()
 
 
+def test_truncate_below_drops_each_rows_tokens_after_the_teachers_first_rejection():
+    from algorithms.selfdistill import truncate_after_rejection
+
+    # row 0: prompt 1 + 4 completion tokens, teacher probs [0.9, 0.2, 0.9, 0.9]; row 1: [0.9, 0.9, 0.9]
+    mask = torch.tensor([[0, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    probs = torch.tensor([0.9, 0.2, 0.9, 0.9, 0.9, 0.9, 0.9])
+    batch = Batch(torch.ones_like(mask), torch.ones_like(mask), mask.clone(), token_weights=mask.float())
+    share = truncate_after_rejection(batch, probs.log(), 0.5)
+    assert batch.loss_mask.tolist() == [[0, 1, 1, 0, 0], [0, 0, 1, 1, 1]]  # the rejected token keeps its loss
+    assert batch.token_weights.tolist() == [[0, 1, 1, 0, 0], [0, 0, 1, 1, 1]]
+    assert math.isclose(share.item(), 2 / 7, rel_tol=1e-6)
+    # in OPSD's batch: the kept tokens are exactly those up to each row's first token whose teacher
+    # probability (full logits of the teacher prompt's hidden states, at the training temperature) is < 0.3
+    model, tok = tiny()
+    task = arith()
+    examples = task.train_examples()[:4]
+    full = OPSD(OPSDConfig()).make_batch(examples, ctx(model, tok, task))
+    cut = OPSD(OPSDConfig(truncate_below=0.3)).make_batch(examples, ctx(model, tok, task))
+    assert torch.equal(cut.input_ids, full.input_ids)  # same rollouts (same generator seed)
+    weight, bias = full.teacher.head
+    logits = full.teacher.hidden[:, :, 0] @ weight.T + (0 if bias is None else bias)
+    p_tok = torch.softmax(logits / OPSDConfig().temperature, -1).gather(-1, full.input_ids.unsqueeze(-1)).squeeze(-1)
+    for r in range(len(examples)):
+        positions = full.loss_mask[r].nonzero().flatten().tolist()
+        first = next((i for i, t in enumerate(positions) if p_tok[r, t] < 0.3), len(positions))
+        assert cut.loss_mask[r].nonzero().flatten().tolist() == positions[: first + 1]
+    assert 0 < cut.metrics["opsd/truncated"].item() < 1  # some rows were cut, not all of every row
+    assert math.isclose(cut.metrics["opsd/truncated"].item(), 1 - cut.loss_mask.sum().item() / full.loss_mask.sum().item(),
+                        rel_tol=1e-5)
+    with pytest.raises(ValueError, match="algo.truncate_below=1.0 must be in"):
+        OPSDConfig(truncate_below=1.0).validate()
+
+
 def test_clipped_tokens_get_no_gradient():
     model = ToyLM(torch.zeros(2, 2))
     out = _toy_algo(beta=0.0, token_clip=0.01).loss(model, _toy_batch([0.0, math.log(3.0)]), torch.tensor(1.0))
