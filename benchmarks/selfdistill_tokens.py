@@ -54,9 +54,9 @@ ANSWER = "####"
 def classes_of(tok, reference: list[int], tokens: list[int]) -> list[str]:
     """Per completion token: its class (module docstring); `reference` ends with EOS."""
     out = []
-    answer_from = next((i for i, t in enumerate(reference) if "#" in tok.decode([t])), None)  # the `####` line
+    answer_from = next((i for i, t in enumerate(reference) if ANSWER[0] in tok.decode([t])), None)  # the #### line
     left = False
-    for t, token in enumerate(tokens):
+    for t in range(len(tokens)):
         left = left or t >= len(reference) or tokens[:t] != reference[:t]
         if left:
             out.append("off")
@@ -72,15 +72,18 @@ def classes_of(tok, reference: list[int], tokens: list[int]) -> list[str]:
 @torch.no_grad()
 def score(session, examples, seed: int) -> dict:
     """The class table of the current weights and the run's teacher (module docstring)."""
-    c, tok, task = session.cfg.algo, session.tokenizer, session.task
     model = session.backend.full_model()
     was = model.training
     model.eval()
-    with session.algo.teacher.weights(model) as teacher:  # the run's teacher weights (fixed: the step-0 copy)
-        return _score(model, teacher, session, examples, seed, c, tok, task, was)
+    try:
+        with session.algo.teacher.weights(model) as teacher:  # the run's teacher weights (fixed: the step-0 copy)
+            return _score(model, teacher, session, examples, seed)
+    finally:
+        model.train(was)
 
 
-def _score(model, teacher, session, examples, seed, c, tok, task, was) -> dict:
+def _score(model, teacher, session, examples, seed: int) -> dict:
+    c, tok, task = session.cfg.algo, session.tokenizer, session.task
     ctx = RolloutContext(task, tok, torch.Generator().manual_seed(seed), torch.device("cpu"),
                          session.cfg.trainer.max_new_tokens, policy_fn=lambda: model)
     sums = defaultdict(lambda: defaultdict(float))
@@ -112,7 +115,6 @@ def _score(model, teacher, session, examples, seed, c, tok, task, was) -> dict:
                 i += 1
     total_tokens = sum(r["tokens"] for r in sums.values())
     total_div = sum(r["divergence"] for r in sums.values())
-    model.train(was)
     return {cls: {"token_share": r["tokens"] / total_tokens, "loss_share": r["divergence"] / max(total_div, 1e-12),
                   "mean_divergence": r["divergence"] / r["tokens"],
                   "teacher_ref_prob": r["teacher_ref_prob"] / max(r["with_ref"], 1),
