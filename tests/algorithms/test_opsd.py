@@ -32,6 +32,18 @@ def _toy_algo(**kw):
     return OPSD(OPSDConfig(temperature=1.0, **kw))
 
 
+def _same_rollouts(n: int, cfg: OPSDConfig) -> tuple[Batch, Batch]:
+    """OPSD's batches of the first `n` arith questions with the default config and with `cfg`: the same
+    rollouts (the same generator seed), each with its own loss mask."""
+    model, tok = tiny()
+    task = arith()
+    examples = task.train_examples()[:n]
+    full = OPSD(OPSDConfig()).make_batch(examples, ctx(model, tok, task))
+    other = OPSD(cfg).make_batch(examples, ctx(model, tok, task))
+    assert torch.equal(other.input_ids, full.input_ids)
+    return full, other
+
+
 def test_loss_hand_computed_jsd_and_limits():
     model = ToyLM(torch.zeros(2, 2))
     batch = _toy_batch([0.0, math.log(3.0)])  # teacher [1/4, 3/4]
@@ -87,16 +99,11 @@ def test_truncate_below_drops_each_rows_tokens_after_the_teachers_first_rejectio
     assert math.isclose(share.item(), 2 / 7, rel_tol=1e-6)
     # in OPSD's batch: the kept tokens are exactly those up to each row's first token whose teacher
     # probability (full logits of the teacher prompt's hidden states, at the training temperature) is < 0.3
-    model, tok = tiny()
-    task = arith()
-    examples = task.train_examples()[:4]
-    full = OPSD(OPSDConfig()).make_batch(examples, ctx(model, tok, task))
-    cut = OPSD(OPSDConfig(truncate_below=0.3)).make_batch(examples, ctx(model, tok, task))
-    assert torch.equal(cut.input_ids, full.input_ids)  # same rollouts (same generator seed)
+    full, cut = _same_rollouts(4, OPSDConfig(truncate_below=0.3))
     weight, bias = full.teacher.head
     logits = full.teacher.hidden[:, :, 0] @ weight.T + (0 if bias is None else bias)
     p_tok = torch.softmax(logits / OPSDConfig().temperature, -1).gather(-1, full.input_ids.unsqueeze(-1)).squeeze(-1)
-    for r in range(len(examples)):
+    for r in range(full.input_ids.shape[0]):
         positions = full.loss_mask[r].nonzero().flatten().tolist()
         first = next((i for i, t in enumerate(positions) if p_tok[r, t] < 0.3), len(positions))
         assert cut.loss_mask[r].nonzero().flatten().tolist() == positions[: first + 1]
@@ -274,12 +281,8 @@ def test_skip_first_tokens_drops_each_rows_leading_completion_tokens_from_the_lo
     assert only.loss_mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 1, 1]]
     # in OPSD's batch: the normaliser counts N fewer tokens per row, and the loss equals the unskipped
     # batch's loss with those tokens' weights set to 0 (up to the normaliser)
-    model, tok = tiny()
-    task = arith()
-    examples = task.train_examples()[:3]
-    full = OPSD(OPSDConfig()).make_batch(examples, ctx(model, tok, task))
-    skipped = OPSD(OPSDConfig(skip_first_tokens=3)).make_batch(examples, ctx(model, tok, task))
-    assert torch.equal(skipped.input_ids, full.input_ids)  # same rollouts (same generator seed)
+    full, skipped = _same_rollouts(3, OPSDConfig(skip_first_tokens=3))
+    model, _ = tiny()
     lengths = full.loss_mask.sum(1)
     assert torch.equal(skipped.loss_mask.sum(1), (lengths - 3).clamp(min=0))
     algo = OPSD(OPSDConfig())
