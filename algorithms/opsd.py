@@ -31,10 +31,10 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from algorithms import losses
 from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms
 from algorithms.rollouts import encode_prompt, require_references, rollout_batch, rollout_metrics, sample
 from algorithms.scoring import detached_head, teacher_hidden
-from algorithms import losses
 from algorithms.selfdistill import (SelfDistillConfig, chunk_size, diagnoses_paths, distill_loss, path_metrics,
                                     reference_teacher_tops, self_teacher, skip_leading_tokens,
                                     truncate_after_rejection)

@@ -57,7 +57,7 @@ def classes_of(tok, reference: list[int], tokens: list[int]) -> list[str]:
     answer_from = next((i for i, t in enumerate(reference) if ANSWER[0] in tok.decode([t])), None)  # the #### line
     left = False
     for t in range(len(tokens)):
-        left = left or t >= len(reference) or tokens[:t] != reference[:t]
+        left = left or t >= len(reference) or (t > 0 and tokens[t - 1] != reference[t - 1])  # sticky: once off
         if left:
             out.append("off")
         elif t == len(reference) - 1:

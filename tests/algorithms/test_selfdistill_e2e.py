@@ -17,7 +17,7 @@ ROLLOUT = ["trainer.max_new_tokens=24", "trainer.max_steps=2"]
 
 @pytest.mark.parametrize("algo,extra,metric", [
     ("opsd", ["algo.is_clip=2.0", "algo.truncate_below=0.3"], "opsd/truncated"),
-    ("mass", ["algo.num_views=2", "algo.skip_first_tokens=2"], "mass/kept_fraction"),
+    ("mass", ["algo.num_views=2", "algo.skip_first_tokens=2", "algo.is_clip=2.0"], "mass/is_ratio"),
     ("mass", ["algo.num_views=3", "algo.full_view=false", "algo.aggregate=confident", "algo.confidence_temperature=0.5"],
      "mass/kept_fraction"),
     ("mass", ["algo.num_views=3", "algo.full_view=true", "algo.aggregate=backed", "algo.teacher=ema"],
