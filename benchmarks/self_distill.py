@@ -46,6 +46,7 @@ import subprocess
 import sys
 import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -172,8 +173,12 @@ def run_one(job) -> dict:
         with open(record + ".tmp", "w") as fh:
             json.dump(result, fh, indent=1)
         os.replace(record + ".tmp", record)  # published only when complete
-        render(args.results)
+        with RENDER_LOCK:  # parallel workers finish together: one rewrite of the table at a time
+            render(args.results)
     return result
+
+
+RENDER_LOCK = threading.Lock()
 
 
 def summarise(results: list[dict], settings: list[str], methods: list[str]) -> list[dict]:
@@ -234,9 +239,10 @@ def render(results_dir: str) -> str:
                 lines.append(f"| {step} | {mean:.3f} ± {std:.3f} | {t} |")
     text = "\n".join(lines) + "\n"
     out = os.path.join(os.path.dirname(results_dir.rstrip("/")), "self_distill.md")
-    with open(out + ".tmp", "w") as fh:
+    tmp = f"{out}.{os.getpid()}.tmp"
+    with open(tmp, "w") as fh:
         fh.write(text)
-    os.replace(out + ".tmp", out)
+    os.replace(tmp, out)
     if table and any(len(row["curves"].get("accuracy", {})) > 1 for row in table):
         plot(table, os.path.join(os.path.dirname(results_dir.rstrip("/")), "self_distill_curves.png"))
     return text
@@ -287,7 +293,7 @@ def plot(table: list[dict], path: str) -> bool:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    tmp = f"{path}.tmp.png"
+    tmp = f"{path}.{os.getpid()}.tmp.png"
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     os.replace(tmp, path)
