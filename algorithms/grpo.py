@@ -218,16 +218,18 @@ class GRPO:
         c = self.cfg
         if self._reuse is not None and self._iteration < c.num_iterations:
             self._iteration += 1  # the same rollouts, one more optimizer step against the stored old log-probs
-            self._reuse.metrics = {**self._reuse.metrics, "grpo/iteration": torch.tensor(float(self._iteration))}
+            self._reuse.metrics = {**self._reuse.metrics, "grpo/iteration": torch.tensor(float(self._iteration)),
+                                   "rollout/generated_tokens": torch.tensor(0.0)}  # nothing sampled for this one
             return self._reuse
         tok, g = ctx.tokenizer, c.num_generations
-        fill = None
+        fill, extra_tokens = None, 0
         if c.dynamic_sampling:  # only groups whose rewards spread, more prompts sampled to fill the batch
             self.retirement.begin_step()
             groups, fill = fill_groups(examples, ctx.draw_examples, lambda exs: self._groups(exs, ctx),
                                        c.dynamic_max_rounds, ctx.world)
             if not groups:  # every prompt drawn was retired: train this step's own prompts, retired or not
                 groups = self._groups(examples, ctx, skip_retired=False)
+                extra_tokens = sum(gr.generated_tokens for gr in groups)
             if c.retire_after > 0:
                 self.retirement.share(ctx.world)
         else:
@@ -258,7 +260,10 @@ class GRPO:
         lengths = torch.tensor([float(len(o.tokens)) for o in outs])
         batch.metrics = {**metrics, "grpo/frac_zero_std": zero_std.float().mean(),
                          "grpo/advantage_abs": adv.abs().mean(), "rollout/length": lengths.mean(),
-                         "grpo/empty_completions": (lengths == 0).float().mean()}
+                         "grpo/empty_completions": (lengths == 0).float().mean(),
+                         # completion tokens sampled for this step, every dynamic-sampling round included
+                         "rollout/generated_tokens": torch.tensor(float(fill.generated_tokens + extra_tokens if fill
+                                                                        is not None else lengths.sum()))}
         if fill is not None:
             batch.metrics.update(fill.metrics(int(lengths.sum())))
         if c.retire_after > 0:

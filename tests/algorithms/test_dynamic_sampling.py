@@ -84,6 +84,37 @@ def test_grpo_trains_only_groups_with_reward_spread():
     assert batch.metrics["rollout/groups_filtered"].item() == 8.0 and batch.metrics["rollout/dynamic_cap_hit"] == 0
 
 
+def test_generated_tokens_count_every_round_sampled():
+    """rollout/generated_tokens: the completion tokens sampled for the step, the dropped rounds included
+    (what the equal-token comparison of benchmarks/grpo_curve.py adds up); without dynamic sampling, the
+    trained completions' tokens."""
+    model, tok = tiny()
+    task = arith()
+    examples = task.train_examples()
+    spread_uids = {ex.uid for ex in examples[1::3]}
+
+    def score(exs, outs, tok_, task_):
+        return [Scored(float(ex.uid in spread_uids and k % 2 == 0), True, 0.0, 0.0, 0.0) for k, ex in enumerate(exs)]
+
+    for dynamic in (True, False):
+        algo = GRPO(GRPOConfig(num_generations=2, dynamic_sampling=dynamic, dynamic_max_rounds=6))
+        algo.score = score
+        seen = []
+        groups = algo._groups
+        algo._groups = lambda exs, ctx, **kw: seen.extend(groups(exs, ctx, **kw)) or seen[-len(exs):]
+        chunks = iter([examples[i:i + 4] for i in range(4, len(examples), 4)])
+        ctx = RolloutContext(task, tok, torch.Generator().manual_seed(0), torch.device("cpu"), 8,
+                             policy_fn=lambda: model, draw_examples=lambda: next(chunks))
+        batch = algo.make_batch(examples[:4], ctx)
+        sampled = sum(len(o.tokens) for gr in seen for o in gr.outs)
+        trained = batch.metrics["rollout/length"].item() * batch.input_ids.shape[0]
+        assert batch.metrics["rollout/generated_tokens"].item() == sampled > 0
+        if dynamic:  # three rounds of 4 prompts sampled, 4 groups trained
+            assert len(seen) == 12 and sampled > trained
+        else:
+            assert len(seen) == 4 and sampled == pytest.approx(trained)
+
+
 def test_dynamic_keys_are_checked():
     with pytest.raises(ValueError, match="algo.dynamic_max_rounds=0 must be >= 1"):
         GRPOConfig(dynamic_max_rounds=0).validate()

@@ -42,7 +42,7 @@ def test_long_setting_smoke(tmp_path):
     # one result file per finished run, and the table rendered from them
     assert sorted(os.listdir(tmp_path / "results")) == [f"multipath-{m}-s{seed}.json" for m in ("mass", "opsd")
                                                         for seed in (0, 1)]
-    table = (tmp_path / "self_distill.md").read_text()
+    table = (tmp_path / "results.md").read_text()  # rendered beside the results directory
     assert "| multipath | opsd | 2 |" in table and "| multipath | mass | 2 |" in table
     # a rerun reuses every finished run: same results, no run started again
     finished = sorted(p for p in os.listdir(tmp_path) if p.startswith("multipath-"))
