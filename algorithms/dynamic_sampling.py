@@ -29,12 +29,15 @@ class FillStats:
     filtered: int  # groups generated and dropped for no reward spread
     generated_tokens: int  # completion tokens sampled over all rounds
     cap_hit: bool  # the cap was reached with fewer spread groups than asked for
+    spread: int = 0  # groups generated with reward spread (those past a full batch included)
 
     def metrics(self, trained_tokens: int) -> dict[str, torch.Tensor]:
         return {"rollout/generation_rounds": torch.tensor(float(self.rounds)),
                 "rollout/groups_filtered": torch.tensor(float(self.filtered)),
                 "rollout/generated_per_trained_token": torch.tensor(self.generated_tokens / max(trained_tokens, 1)),
-                "rollout/dynamic_cap_hit": torch.tensor(float(self.cap_hit))}
+                "rollout/dynamic_cap_hit": torch.tensor(float(self.cap_hit)),
+                # the share of the groups generated that carried a signal: 1 - frac_zero_std before filtering
+                "rollout/spread_share": torch.tensor(self.spread / max(self.spread + self.filtered, 1))}
 
 
 def any_rank(world: Any, flag: bool) -> bool:
@@ -51,7 +54,7 @@ def fill_groups(examples: Sequence[Any], draw: Optional[Callable[[], Sequence[An
     want = len(examples)
     kept: list[Any] = []
     first: list[Any] = []
-    filtered = generated = rounds = 0
+    filtered = generated = rounds = spread = 0
     batch = list(examples)
     for index in range(max_rounds):
         if len(kept) < want:
@@ -62,12 +65,13 @@ def fill_groups(examples: Sequence[Any], draw: Optional[Callable[[], Sequence[An
                 generated += group.generated_tokens
                 if group.spread:
                     kept.append(group)
+                    spread += 1
                 else:
                     filtered += 1
         if index + 1 == max_rounds or draw is None or not any_rank(world, len(kept) < want):
             break
         batch = list(draw())  # every rank draws, full or not: the prompt streams stay in step
-    stats = FillStats(rounds, filtered, generated, cap_hit=len(kept) < want)
+    stats = FillStats(rounds, filtered, generated, cap_hit=len(kept) < want, spread=spread)
     return (kept[:want] if kept else first), stats
 
 

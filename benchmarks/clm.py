@@ -16,6 +16,13 @@ re-prefill.
     python benchmarks/clm.py                                  # warm start built once (cached), 3 seeds x 2 w_eff
     python benchmarks/clm.py --steps 20 --seeds 0 --w-eff 0.25 --episodes 40
     python benchmarks/clm.py --skip-rl                        # policies without RL + serving only
+    nohup python benchmarks/clm.py --skip-long --tag ds --extra algo.dynamic_sampling=true > /tmp/clm.log 2>&1 &
+
+Every finished RL run, with its held-out success and compute, writes `docs/results/clm/SETTING-sSEED.json`
+(SETTING = w{w_eff}[-TAG]; `--results DIR` elsewhere) with the overrides it ran with, and the warm start's
+row `warm-start.json`; a restarted benchmark skips every run whose file holds the same overrides, so the
+runs accumulate across sessions. `docs/results/clm.md` is rendered from every file there after each run
+(`--render` only rewrites it).
 
 Last line JSON.
 """
@@ -32,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -306,16 +314,57 @@ def summary(name: str, success: list[bool], compute: list[int], edits: list[int]
             "overflow": sum(o == "overflow" for o in outcomes) / n}
 
 
+RESULTS = os.path.join(ROOT, "docs", "results", "clm")
+RENDER_LOCK = threading.Lock()
+
+
+def portable(overrides: list[str]) -> list[str]:
+    """The overrides as a result file records them: the model's path reduced to its directory name."""
+    return [f"model.path={os.path.basename(a.split('=', 1)[1].rstrip('/'))}" if a.startswith("model.path=") else a
+            for a in overrides]
+
+
+def setting_name(w_eff: float, tag: str) -> str:
+    return f"w{w_eff}" + (f"-{tag}" if tag else "")
+
+
+def quarters(train: list[dict], key) -> tuple[float, float] | None:
+    """The mean of `key(record)` over the first and the last quarter of the train steps (None when absent)."""
+    values = [key(r) for r in train]
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    q = max(1, len(values) // 4)
+    return statistics.fmean(values[:q]), statistics.fmean(values[-q:])
+
+
+def spread_share(r: dict):
+    """The share of the groups generated that had a signal: measured before the filter under dynamic
+    sampling, 1 - frac_zero_std otherwise."""
+    if "rollout/spread_share" in r:
+        return r["rollout/spread_share"]
+    return 1.0 - r["clm/frac_zero_std"] if "clm/frac_zero_std" in r else None
+
+
 def rl_run(job) -> dict:
-    """One RL run in `where`/w{w_eff}-s{seed}-{hash of its overrides}; with --runs-dir, a run whose
-    record (RUN_RECORD, written last) is there is read back instead of rerun, and a run left unfinished
-    is started over (its directory removed first, so no stale metrics are appended to)."""
+    """One RL run in `where`/w{w_eff}-s{seed}-{hash of its overrides}, then its final model played on the
+    held-out episodes. The result goes to `--results`/SETTING-sSEED.json (published when complete); a
+    result file holding the same overrides is read back instead of rerun. A training run whose record
+    (RUN_RECORD, written last) is in `where` is reused, one left unfinished is started over (its
+    directory removed first, so no stale metrics are appended to)."""
     warm, seed, w_eff, args, where = job
     overrides = ["+algo=clm", f"model.path={warm}", f"seed={seed}", f"algo.w_eff={w_eff}",
                  f"trainer.max_steps={args.steps}", f"trainer.batch_size={args.batch}",
                  f"trainer.eval_every={args.steps}", "trainer.save_every=100000",
                  f"trainer.eval_examples={args.episodes}", "logging.wandb=false", "logging.progress=false",
                  *([f"trainer.lr={args.lr}"] if args.lr else []), *args.extra]
+    setting = setting_name(w_eff, args.tag)
+    result_file = os.path.join(args.results, f"{setting}-s{seed}.json") if args.results else None
+    if result_file and os.path.exists(result_file):
+        earlier = json.load(open(result_file))
+        if earlier.get("overrides") == portable(overrides):
+            print(f"rl run {setting} seed={seed}: done earlier ({result_file}), skipped", flush=True)
+            return earlier
     key = hashlib.sha256(json.dumps(overrides).encode()).hexdigest()[:10]
     out = os.path.join(where, f"w{w_eff}-s{seed}-{key}")
     record = os.path.join(out, RUN_RECORD)
@@ -337,9 +386,77 @@ def rl_run(job) -> dict:
         os.replace(record + ".tmp", record)
     records = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     train = [r for r in records if r.get("split") == "train"]
-    return {"seed": seed, "w_eff": w_eff, "path": os.path.join(out, "final"), "seconds": seconds,
-            "train_success_first": train[0]["clm/success"], "train_success_last": train[-1]["clm/success"],
-            "train_compute_last": train[-1]["clm/compute"]}
+    task = ClmTask(seed=0, n_train=2000, n_test=args.episodes)
+    episodes = list(task.test_examples())[: args.episodes]
+    _, _, trajs = model_policy(os.path.join(out, "final"), task, episodes, args.max_new, args.max_calls)
+    result = {"setting": setting, "seed": seed, "w_eff": w_eff, "seconds": seconds,
+              **summary(f"rl {setting} seed={seed}", [t.success for t in trajs], [t.compute for t in trajs],
+                        [t.edits for t in trajs], [t.outcome for t in trajs]),
+              "train_success_first": train[0]["clm/success"], "train_success_last": train[-1]["clm/success"],
+              "train_compute_last": train[-1]["clm/compute"], "overrides": portable(overrides)}
+    for name, key_fn in (("train_success", lambda r: r.get("clm/success")), ("spread_share", spread_share),
+                         ("efficiency_abs", lambda r: r.get("clm/efficiency_abs")),
+                         ("train_compute", lambda r: r.get("clm/compute"))):
+        pair = quarters(train, key_fn)
+        if pair is not None:
+            result[f"{name}@first"], result[f"{name}@last"] = pair
+    if result_file:
+        write_result(args.results, result_file, result)
+    print(f"rl run {setting} seed={seed}: held-out success {result['success']:.3f}, compute {result['compute']:.0f} "
+          f"({seconds:.0f}s)", flush=True)
+    return result
+
+
+def write_result(results: str, path: str, result: dict) -> None:
+    os.makedirs(results, exist_ok=True)
+    with open(path + ".tmp", "w") as fh:
+        json.dump(result, fh, indent=1)
+    os.replace(path + ".tmp", path)  # published only when complete
+    with RENDER_LOCK:  # side-by-side runs finish together: one rewrite of the table at a time
+        render(results)
+
+
+def render(results: str) -> str:
+    """RESULTS.md beside the results folder (docs/results/clm -> docs/results/clm.md) from every file in it."""
+    runs = [json.load(open(os.path.join(results, f))) for f in sorted(os.listdir(results))
+            if f.endswith(".json")] if os.path.isdir(results) else []
+    warm = [r for r in runs if r.get("setting") == "warm-start"]
+    runs = [r for r in runs if r.get("setting") != "warm-start"]
+    lines = ["# CLM RL on the embedded episodes (generated by benchmarks/clm.py)", "",
+             "Held-out episodes played greedily by each run's final model; compute = prefill tokens forwarded with",
+             "prefix caching + decoded tokens, per episode; `spread`: the share of the episode groups played whose",
+             "success differs (with dynamic sampling: whose `dynamic_metric` signal differs, before the filter), first",
+             "→ last quarter of the run; `|a_eff|`: mean efficiency advantage, last quarter. Each run's overrides are",
+             f"in its file under `{os.path.basename(results.rstrip('/'))}/`.", ""]
+    if warm:
+        w = warm[0]
+        lines += [f"Warm start (before RL): success {w['success']:.3f}, compute {w['compute']:.1f}, overflow "
+                  f"{w['overflow']:.3f} on {w.get('episodes', '?')} episodes.", ""]
+    lines += ["| setting | seeds | success (mean ± std) | per seed | compute (mean ± std) | compute, successes | "
+              "overflow | train success first → last | spread first → last | |a_eff| | wall s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for setting in dict.fromkeys(r["setting"] for r in runs):
+        rs = sorted((r for r in runs if r["setting"] == setting), key=lambda r: r["seed"])
+        succ, comp = [r["success"] for r in rs], [r["compute"] for r in rs]
+        sd = lambda v: statistics.stdev(v) if len(v) > 1 else 0.0  # noqa: E731
+        cs = [r["compute_success"] for r in rs if r.get("compute_success") is not None]
+        pair = lambda k: (f"{statistics.fmean(r[k + '@first'] for r in rs):.3f} → "  # noqa: E731
+                          f"{statistics.fmean(r[k + '@last'] for r in rs):.3f}"
+                          if all(k + "@first" in r for r in rs) else "")
+        eff = (f"{statistics.fmean(r['efficiency_abs@last'] for r in rs):.4f}"
+               if all("efficiency_abs@last" in r for r in rs) else "")
+        cs_cell = f"{statistics.fmean(cs):.1f}" if cs else ""
+        lines.append(f"| {setting} | {len(rs)} | {statistics.fmean(succ):.3f} ± {sd(succ):.3f} | "
+                     f"{' / '.join(f'{v:.2f}' for v in succ)} | {statistics.fmean(comp):.1f} ± {sd(comp):.1f} | "
+                     f"{cs_cell} | {statistics.fmean(r['overflow'] for r in rs):.3f} | {pair('train_success')} | "
+                     f"{pair('spread_share')} | {eff} | {statistics.fmean(r['seconds'] for r in rs):.0f} |")
+    text = "\n".join(lines) + "\n"
+    stem = results.rstrip("/")
+    tmp = f"{stem}.md.{os.getpid()}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, stem + ".md")
+    return text
 
 
 def main() -> None:
@@ -364,8 +481,17 @@ def main() -> None:
     ap.add_argument("--long-budget", type=int, default=2048, help="context budget of the long episodes (tokens)")
     ap.add_argument("--long-keep", type=int, default=2, help="recent logs each rewrite keeps verbatim")
     ap.add_argument("--extra", nargs="*", default=[], help="more train.py overrides for the RL runs")
+    ap.add_argument("--results", default=RESULTS,
+                    help="one JSON per finished (setting, seed) RL run, skipped when found again with the same "
+                         "overrides; the table RESULTS.md is rendered beside it (default docs/results/clm; '' = none)")
+    ap.add_argument("--tag", default="", help="a setting name part for runs with other --extra (w0.25-TAG-s0.json)")
+    ap.add_argument("--render", action="store_true", help="only rewrite the table from --results")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    args.max_new, args.max_calls = 72, 16
+    if args.render:
+        print(render(args.results))
+        return
 
     if args.long_only:
         print(json.dumps({"long_serving": long_serving(args)}))
@@ -373,7 +499,7 @@ def main() -> None:
     warm = args.model or warm_model(args.cache_dir)
     task = ClmTask(seed=0, n_train=2000, n_test=args.episodes)
     episodes = list(task.test_examples())[: args.episodes]
-    max_new, max_calls = 72, 16
+    max_new, max_calls = args.max_new, args.max_calls
     from models.loading import load_pretrained
 
     model, tok = load_pretrained(warm)
@@ -405,6 +531,9 @@ def main() -> None:
 
     warm_row, warm_trajs = model_row("warm start (before RL)" if args.model is None else "--model (before RL)", warm)
     table.append(warm_row)
+    if args.results and args.model is None:  # the row every RL run is measured against
+        write_result(args.results, os.path.join(args.results, "warm-start.json"),
+                     {**warm_row, "setting": "warm-start", "episodes": len(episodes)})
 
     rl = []
     if not args.skip_rl:
@@ -415,10 +544,7 @@ def main() -> None:
             with ThreadPoolExecutor(args.workers) as pool:
                 runs = list(pool.map(rl_run, jobs))
             for w in weights:
-                rows = [model_row(f"rl w_eff={w} seed={r['seed']}", r["path"])[0] for r in runs if r["w_eff"] == w]
-                for r, row in zip([r for r in runs if r["w_eff"] == w], rows):
-                    row.update(seconds=r["seconds"], train_success_first=r["train_success_first"],
-                               train_success_last=r["train_success_last"])
+                rows = [r for r in runs if r["w_eff"] == w]
                 rl.extend(rows)
                 succ = [r["success"] for r in rows]
                 comp = [r["compute"] for r in rows]

@@ -45,6 +45,7 @@ def test_fill_keeps_only_spread_groups_in_order_and_stops_when_full():
     assert len(drawn) == 1
     m = stats.metrics(trained_tokens=20)
     assert m["rollout/generated_per_trained_token"].item() == 2.0 and m["rollout/groups_filtered"].item() == 2
+    assert m["rollout/spread_share"].item() == 0.5  # b and d of a, b, c, d
 
 
 def test_fill_stops_at_its_cap_and_says_so_and_never_returns_nothing():
