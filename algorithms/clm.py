@@ -38,7 +38,9 @@ from algorithms.advantages import SCALES, group_advantages
 from algorithms.dynamic_sampling import Retirement, check_dynamic_keys, fill_groups
 from algorithms.base import Batch, PolicyTerms, RolloutContext, StepOutput, Traits
 from algorithms.rollouts import encode, encode_prompt, rollout_batch
+from algorithms.grpo import k3_kl, policy_logprobs
 from algorithms.scoring import scatter_tokens, student_features
+from algorithms.teacher import SelfTeacher
 from models.export import export_model
 from models.lora import LoRAOptions, train_all_or_lora
 from tasks import DataError
@@ -73,6 +75,8 @@ class CLMConfig(LoRAOptions):
     reuse_reforward: int = 16
     reuse_min_gain: int = 32
     loss_chunk_tokens: int = 0  # tokens per logits chunk; 0 = from the vocabulary size
+    beta: float = 0.0  # k3 KL to the starting weights on every call token (0 = off, no reference copy)
+    logprob_batch_size: int = 32  # call rows per no-grad forward for the reference log-probs
     dynamic_sampling: bool = False  # train only episode groups with a learning signal, playing more tasks to fill
     dynamic_max_rounds: int = 4  # rounds of episodes per step at most, the first included
     dynamic_metric: str = "signal"  # signal (success or the successes' compute differs) | success (success differs)
@@ -99,6 +103,10 @@ class CLMConfig(LoRAOptions):
             raise ValueError(f"algo.max_calls={self.max_calls} must be >= 1")
         if self.budget < 0 or self.advantage_eps < 0 or self.loss_chunk_tokens < 0 or self.lora_rank < 0:
             raise ValueError("algo.budget, algo.advantage_eps, algo.loss_chunk_tokens and algo.lora_rank must be >= 0")
+        if self.beta < 0:
+            raise ValueError(f"algo.beta={self.beta} must be >= 0")
+        if self.logprob_batch_size < 1:
+            raise ValueError(f"algo.logprob_batch_size={self.logprob_batch_size} must be >= 1")
         if self.reuse not in REUSE_MODES:
             raise ValueError(f"algo.reuse={self.reuse} is not one of {', '.join(REUSE_MODES)}")
         self.reuse_config()  # the engine's own checks, named by key
@@ -299,6 +307,7 @@ class CLM:
     def __init__(self, cfg: CLMConfig):
         self.cfg = cfg
         self.retirement = Retirement(cfg.retire_after)  # tasks always / never solved (retire_after)
+        self.reference = SelfTeacher("fixed", 0.0)  # the starting weights, for the KL term (beta > 0)
         if cfg.num_generations == 1:
             warnings.warn("algo.num_generations=1: every group-relative advantage is 0 and the efficiency term "
                           "needs 2 successes per group, so CLM makes no update", stacklevel=2)
@@ -308,6 +317,10 @@ class CLM:
         if not examples or not isinstance(examples[0], Episode) or not hasattr(task, "fmt"):
             raise DataError(f"algo clm plays context-file episodes: data={getattr(task, 'name', task)} does not "
                             "provide them (use data=clm, or data=clm data.path=FILE.jsonl)")
+
+    def weight_copies(self, model: nn.Module) -> int:
+        """The KL reference's copy of the starting weights (`beta > 0`, full fine-tuning; trainer/memory.py)."""
+        return self.reference.copies(model) if self.cfg.beta > 0 else 0
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         return train_all_or_lora(model, self.cfg)
@@ -373,6 +386,10 @@ class CLM:
             batch.policy = PolicyTerms(adv.to(ctx.device),
                                        prompt_lengths=torch.tensor([len(call.prompt) for _, _, call in calls],
                                                                    device=ctx.device))
+        if c.beta > 0:  # every call token's log-prob under the starting weights
+            with self.reference.weights(ctx.policy) as ref:
+                batch.policy.ref_logprobs = policy_logprobs(ref, batch, c.temperature, c.loss_chunk_tokens,
+                                                            c.logprob_batch_size)
         lengths = [float(len(call.completion.tokens)) for _, _, call in calls]
         batch.metrics = {**episode_metrics(trajs), "clm/frac_zero_std": zero_std.float().mean(),
                          "clm/advantage_abs": task_adv.abs().mean(), "clm/efficiency_abs": eff_adv.abs().mean(),
@@ -388,8 +405,10 @@ class CLM:
 
     def zero_loss(self, micro: Batch) -> bool:
         """True when no loss token of `micro` sits in a call row with a non-zero advantage: the clipped
-        term is then exactly 0 with a zero gradient (there is no KL term), so the trainer skips the
-        micro-batch, and a step where every micro-batch is so skips its optimizer step."""
+        term is then exactly 0 with a zero gradient, so the trainer skips the micro-batch, and a step where
+        every micro-batch is so skips its optimizer step. With `beta > 0` the KL term trains every token."""
+        if self.cfg.beta > 0:
+            return False
         live = micro.loss_mask.bool() & (micro.policy.advantages != 0).unsqueeze(1)
         return not bool(live.any())
 
@@ -400,11 +419,15 @@ class CLM:
         logp = losses.chunked_token_logprobs(feats[sel], head, micro.input_ids[sel], c.temperature, chunk)
         adv = micro.policy.advantages.unsqueeze(1).expand_as(sel)[sel]
         per_token = losses.clipped_policy_gradient(logp, logp.detach(), adv, c.epsilon_low, c.epsilon_high)
+        metrics = {}
+        if c.beta > 0:  # the k3 KL to the starting weights, as GRPO's
+            kl = k3_kl(micro.policy.ref_logprobs[sel], logp)
+            per_token = per_token + c.beta * kl
+            metrics["clm/kl"] = kl.detach().float().mean() if kl.numel() else torch.zeros(())
         # no loss tokens (every episode refused, or a zero-weight filler micro-batch): the empty log-probs stay
         # tied to every weight (losses.chunked_token_logprobs), so the zero loss still joins the gradient sync
         loss = per_token.sum() / normaliser
-        metrics = {"clm/policy_loss": per_token.detach().float().mean() if per_token.numel()
-                   else torch.zeros(())}
+        metrics["clm/policy_loss"] = per_token.detach().float().mean() if per_token.numel() else torch.zeros(())
         return StepOutput(loss, metrics, scatter_tokens(logp, sel))
 
     # --- eval: episodes played greedily, the final call's output verified ------------------------------
@@ -423,10 +446,16 @@ class CLM:
         export_model(model, tokenizer, out_dir, self.name)
 
     def state_dict(self) -> dict:
-        """Only the retired tasks (retire_after): rollouts are regenerated, the engine's sessions cleared."""
-        return self.retirement.state_dict() if self.cfg.retire_after > 0 else {}
+        """The KL reference (beta > 0) and the retired tasks (retire_after): rollouts are regenerated, the
+        engine's sessions cleared."""
+        state = {"reference": self.reference.state_dict()} if self.cfg.beta > 0 else {}
+        if self.cfg.retire_after > 0:
+            state.update(self.retirement.state_dict())
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        if "reference" in state:
+            self.reference.load_state_dict(state["reference"])
         self.retirement.load_state_dict(state)
 
     def rank_state_dict(self) -> dict:

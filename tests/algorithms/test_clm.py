@@ -263,3 +263,46 @@ def test_a_micro_batch_without_loss_tokens_gives_every_weight_a_zero_gradient():
     out.loss.backward()
     assert out.loss.item() == 0.0
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters() if p.requires_grad)
+
+
+def test_kl_to_the_starting_weights_is_grpos_k3_on_every_call_token():
+    """algo.beta > 0: each call token's log-prob under the weights the run started from is stored with the
+    batch (a slow reference: a copy of those weights, one plain forward per row), the loss adds beta x the
+    k3 estimate exp(ref - logp) - (ref - logp) - 1 on every token, and no micro-batch is skipped."""
+    import copy
+
+    model, tok = build_tiny(TinySpec(64, 2, 4, 128), seed=0)
+    start = copy.deepcopy(model)
+    task = ClmTask(seed=0, n_train=4, n_test=2)
+    algo = CLM(CLMConfig(num_generations=2, max_calls=2, beta=0.1))
+    ctx = _ctx(task, tok, model)
+    algo.make_batch(task.train_examples()[:1], ctx)  # the reference is taken on first use
+    with torch.no_grad():  # training moves the policy away from its start
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    batch = algo.make_batch(task.train_examples()[1:2], ctx)
+    sel = batch.loss_mask.bool()
+    for r in range(len(batch)):
+        ids = batch.input_ids[r][batch.attention_mask[r].bool()]
+        n_prompt = int(batch.policy.prompt_lengths[r])
+        with torch.no_grad():
+            logp = torch.log_softmax(start(ids[None]).logits[0, :-1].float(), -1)
+        want = logp.gather(1, ids[1:, None])[:, 0][n_prompt - 1:]
+        assert torch.allclose(batch.policy.ref_logprobs[r][sel[r]], want, atol=1e-5)
+    batch.policy.advantages = torch.zeros(len(batch))  # only the KL term is left
+    assert not algo.zero_loss(batch)
+    out = algo.loss(model, batch, normaliser=batch.num_targets().float())
+    total = 0.0
+    for r in range(len(batch)):
+        ids = batch.input_ids[r][batch.attention_mask[r].bool()]
+        n_prompt = int(batch.policy.prompt_lengths[r])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids[None]).logits[0, :-1].float(), -1)
+        mine = logp.gather(1, ids[1:, None])[:, 0][n_prompt - 1:]
+        d = batch.policy.ref_logprobs[r][sel[r]] - mine
+        total += (torch.exp(d) - d - 1).sum().item()
+    assert total > 0 and out.loss.item() == pytest.approx(0.1 * total / batch.num_targets().item(), rel=1e-4)
+    assert out.metrics["clm/kl"].item() == pytest.approx(total / batch.num_targets().item(), rel=1e-4)
+    assert "reference" in algo.state_dict()
+    with pytest.raises(ValueError, match="algo.beta"):
+        CLMConfig(beta=-0.1).validate()
