@@ -44,7 +44,8 @@ DATA = ["data=arith", "data.digits=2", "data.steps=2", "data.chat_template=true"
 STABILISERS = "algo.skip_first_tokens=3,algo.teacher_top_k=100,algo.top_k_tail=true"
 GRPO = "algo.reward_mode=steps"  # a right answer counts only through right working (the algorithm's default)
 ROLLOUT_KEYS = ("loss", "rollout/length", "rollout/reward", "rollout/logprob_gap", "grad_norm", "tokens_per_s",
-                "grpo/answer_correct", "grpo/steps_correct", "grpo/frac_zero_std", "train/skipped_steps")
+                "grpo/answer_correct", "grpo/steps_correct", "grpo/frac_zero_std", "rollout/spread_share",
+                "rollout/generation_rounds")
 
 
 def common(args, out: str, steps: int, eval_every: int) -> list[str]:
@@ -114,6 +115,8 @@ def run(args, name: str, argv: list[str], out: str) -> dict:
               "rollouts": {k: statistics.fmean(x[k] for x in train if k in x)
                            for k in ROLLOUT_KEYS if any(k in x for x in train)},
               "overrides": portable(argv, args)}
+    if train and "train/skipped_steps" in train[-1]:
+        result["skipped_steps"] = int(train[-1]["train/skipped_steps"])  # cumulative: the run's empty steps
     os.makedirs(args.results, exist_ok=True)
     with open(record + ".tmp", "w") as fh:
         json.dump(result, fh, indent=1)
@@ -158,6 +161,17 @@ def render(results: str) -> str:
         for method, gains in by_method.items():
             std = statistics.stdev(gains) if len(gains) > 1 else 0.0
             lines.append(f"| {method} | {len(gains)} | {statistics.fmean(gains):+.3f} ± {std:.3f} |")
+    grpo = {name: r for name, r in runs.items() if "grpo/answer_correct" in r["rollouts"]}
+    if grpo:
+        lines += ["", "GRPO's rollouts (sampled, means over the run): answer right, answer and every step right, groups",
+                  "whose rewards did not spread (before dynamic sampling's filter where it ran), and empty steps (no",
+                  "group with spread: no optimizer step).", "",
+                  "| run | answer right | fully right | groups without spread | empty steps |", "|---|---|---|---|---|"]
+        for name, r in grpo.items():
+            ro = r["rollouts"]
+            zero = 1.0 - ro["rollout/spread_share"] if "rollout/spread_share" in ro else ro.get("grpo/frac_zero_std")
+            lines.append(f"| {name} | {ro['grpo/answer_correct']:.3f} | {ro['grpo/steps_correct']:.3f} | {fmt(zero)} | "
+                         f"{r.get('skipped_steps', '')} |")
     for name, r in runs.items():
         if len(r["evals"]) > 2:
             lines += ["", f"**{name}** per eval: " + ", ".join(
