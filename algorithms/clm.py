@@ -38,8 +38,8 @@ from algorithms.advantages import SCALES, group_advantages
 from algorithms.dynamic_sampling import Retirement, check_dynamic_keys, fill_groups
 from algorithms.base import Batch, PolicyTerms, RolloutContext, StepOutput, Traits
 from algorithms.rollouts import encode, encode_prompt, rollout_batch
-from algorithms.grpo import k3_kl, policy_logprobs
-from algorithms.scoring import scatter_tokens, student_features
+from algorithms.losses import k3_kl
+from algorithms.scoring import policy_logprobs, scatter_tokens, student_features
 from algorithms.teacher import SelfTeacher
 from models.export import export_model
 from models.lora import LoRAOptions, train_all_or_lora

@@ -47,7 +47,8 @@ from algorithms.advantages import SCALES, group_advantages
 from algorithms.base import Batch, PolicyTerms, RolloutContext, RowShape, StepOutput, TokenLogprobs, Traits
 from algorithms.dynamic_sampling import Retirement, check_dynamic_keys, fill_groups
 from algorithms.rollouts import encode_prompt, rollout_batch, sample
-from algorithms.scoring import scatter_tokens, student_features
+from algorithms.losses import k3_kl
+from algorithms.scoring import policy_logprobs, scatter_tokens, student_features
 from algorithms.teacher import SelfTeacher
 from models.export import export_model
 from models.lora import LoRAOptions, train_all_or_lora
@@ -147,34 +148,6 @@ def load_reward_fn(spec: str) -> Callable[[Any, str], Optional[float]]:
     if not callable(fn):
         raise ValueError(f"algo.reward_fn={spec!r} is not callable")
     return fn
-
-
-# --- KL to the reference --------------------------------------------------------------------------
-
-
-def k3_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimator of KL(policy || reference): exp(ref - logp) - (ref - logp) - 1 >= 0."""
-    d = ref_logp - logp
-    return torch.exp(d) - d - 1.0
-
-
-# --- log-probs ------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def policy_logprobs(model: nn.Module, batch: Batch, temperature: float, chunk: int, rows_per_pass: int
-                     ) -> torch.Tensor:
-    """(B, T) log-probs of the batch's completion tokens under `model` (no grad), 0 elsewhere."""
-    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)
-    for start in range(0, len(batch), rows_per_pass):
-        ids = batch.input_ids[start: start + rows_per_pass]
-        attn = batch.attention_mask[start: start + rows_per_pass]
-        sel = batch.loss_mask[start: start + rows_per_pass].bool()
-        feats, head = student_features(model, ids, attn)
-        c = chunk or losses.auto_chunk(feats.shape[-1] if head is None else head[0].shape[0], 0)
-        out[start: start + rows_per_pass] = scatter_tokens(
-            losses.chunked_token_logprobs(feats[sel], head, ids[sel], temperature, c).float(), sel)
-    return out
 
 
 class GRPO:

@@ -377,3 +377,10 @@ def chunked_token_logprobs(features: Tensor, head: Optional[Head], targets: Tens
         anchor = features.sum() * 0 + (head[0].sum() * 0 if head is not None else 0)
         return anchor.float().expand(0)
     return torch.cat(parts)
+
+
+def k3_kl(ref_logp: Tensor, logp: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(policy || reference): exp(ref - logp) - (ref - logp) - 1 >= 0 (GRPO's
+    and CLM's `beta` term)."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1.0

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from algorithms.base import pad_right
+from algorithms.base import Batch, pad_right
 from models.anatomy import Head, causal_lm, detach_head, final_hidden, output_head
 
 
@@ -90,3 +90,22 @@ def detached_head(teacher: nn.Module) -> Head:
         raise ValueError(f"self-distillation needs a linear output head on the teacher ({type(causal_lm(teacher)).__name__}: "
                          "logit scaling and sharded heads are not supported)")
     return detach_head(head)
+
+
+def policy_logprobs(model: nn.Module, batch: Batch, temperature: float, chunk: int, rows_per_pass: int
+                    ) -> torch.Tensor:
+    """(B, T) log-probs of the batch's completion (loss-mask) tokens under `model` (no grad), 0 elsewhere,
+    `rows_per_pass` rows per forward: the stored old / reference log-probs of GRPO and CLM."""
+    from algorithms import losses
+
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)
+    with torch.no_grad():
+        for start in range(0, len(batch), rows_per_pass):
+            ids = batch.input_ids[start: start + rows_per_pass]
+            attn = batch.attention_mask[start: start + rows_per_pass]
+            sel = batch.loss_mask[start: start + rows_per_pass].bool()
+            feats, head = student_features(model, ids, attn)
+            c = chunk or losses.auto_chunk(feats.shape[-1] if head is None else head[0].shape[0], 0)
+            out[start: start + rows_per_pass] = scatter_tokens(
+                losses.chunked_token_logprobs(feats[sel], head, ids[sel], temperature, c).float(), sel)
+    return out
