@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from algorithms import losses
 from algorithms.base import Batch, pad_right
 from models.anatomy import Head, causal_lm, detach_head, final_hidden, output_head
 
@@ -96,8 +97,6 @@ def policy_logprobs(model: nn.Module, batch: Batch, temperature: float, chunk: i
                     ) -> torch.Tensor:
     """(B, T) log-probs of the batch's completion (loss-mask) tokens under `model` (no grad), 0 elsewhere,
     `rows_per_pass` rows per forward: the stored old / reference log-probs of GRPO and CLM."""
-    from algorithms import losses
-
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)
     with torch.no_grad():
         for start in range(0, len(batch), rows_per_pass):

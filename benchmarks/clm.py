@@ -386,8 +386,7 @@ def rl_run(job) -> dict:
         os.replace(record + ".tmp", record)
     records = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     train = [r for r in records if r.get("split") == "train"]
-    task = ClmTask(seed=0, n_train=2000, n_test=args.episodes)
-    episodes = list(task.test_examples())[: args.episodes]
+    task, episodes = args.eval_task
     _, _, trajs = model_policy(os.path.join(out, "final"), task, episodes, args.max_new, args.max_calls)
     result = {"setting": setting, "seed": seed, "w_eff": w_eff, "seconds": seconds,
               **summary(f"rl {setting} seed={seed}", [t.success for t in trajs], [t.compute for t in trajs],
@@ -499,6 +498,7 @@ def main() -> None:
     warm = args.model or warm_model(args.cache_dir)
     task = ClmTask(seed=0, n_train=2000, n_test=args.episodes)
     episodes = list(task.test_examples())[: args.episodes]
+    args.eval_task = (task, episodes)  # what every RL run's final model is played on
     max_new, max_calls = args.max_new, args.max_calls
     from models.loading import load_pretrained
 

@@ -61,15 +61,13 @@ def sft_stage(args) -> list[str]:
 
 
 def method_run(args, method: str, seed: int, sft_dir: str) -> list[str]:
-    if method == "grpo":  # --prompts x --group completions per step, micro-batches of --batch rows
-        argv = [f"+algo={method}", f"model.path={sft_dir}", f"seed={seed}", f"trainer.batch_size={args.prompts}",
-                f"algo.num_generations={args.group}", f"trainer.micro_batch_size={args.batch}"]
-    else:
-        argv = [f"+algo={method}", f"model.path={sft_dir}", f"seed={seed}", f"trainer.batch_size={args.batch}",
-                f"trainer.micro_batch_size={args.batch}"]
+    grpo = method == "grpo"  # --prompts x --group completions per step, micro-batches of --batch rows
+    argv = [f"+algo={method}", f"model.path={sft_dir}", f"seed={seed}",
+            f"trainer.batch_size={args.prompts if grpo else args.batch}",
+            *([f"algo.num_generations={args.group}"] if grpo else []), f"trainer.micro_batch_size={args.batch}"]
     if args.lr is not None:
         argv.append(f"trainer.lr={args.lr}")
-    if method == "grpo":
+    if grpo:
         argv += [s for s in args.grpo.split(",") if s]
     elif method != "sft":
         argv += [s for s in args.stabilisers.split(",") if s]

@@ -282,24 +282,21 @@ def test_kl_to_the_starting_weights_is_grpos_k3_on_every_call_token():
             p.add_(0.05 * torch.randn_like(p))
     batch = algo.make_batch(task.train_examples()[1:2], ctx)
     sel = batch.loss_mask.bool()
-    for r in range(len(batch)):
-        ids = batch.input_ids[r][batch.attention_mask[r].bool()]
-        n_prompt = int(batch.policy.prompt_lengths[r])
-        with torch.no_grad():
-            logp = torch.log_softmax(start(ids[None]).logits[0, :-1].float(), -1)
-        want = logp.gather(1, ids[1:, None])[:, 0][n_prompt - 1:]
-        assert torch.allclose(batch.policy.ref_logprobs[r][sel[r]], want, atol=1e-5)
     batch.policy.advantages = torch.zeros(len(batch))  # only the KL term is left
     assert not algo.zero_loss(batch)
     out = algo.loss(model, batch, normaliser=batch.num_targets().float())
+
+    def row_logprobs(net, r):  # one plain forward of row r; its completion tokens' log-probs
+        ids = batch.input_ids[r][batch.attention_mask[r].bool()]
+        with torch.no_grad():
+            logp = torch.log_softmax(net(ids[None]).logits[0, :-1].float(), -1)
+        return logp.gather(1, ids[1:, None])[:, 0][int(batch.policy.prompt_lengths[r]) - 1:]
+
     total = 0.0
     for r in range(len(batch)):
-        ids = batch.input_ids[r][batch.attention_mask[r].bool()]
-        n_prompt = int(batch.policy.prompt_lengths[r])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(ids[None]).logits[0, :-1].float(), -1)
-        mine = logp.gather(1, ids[1:, None])[:, 0][n_prompt - 1:]
-        d = batch.policy.ref_logprobs[r][sel[r]] - mine
+        ref = batch.policy.ref_logprobs[r][sel[r]]
+        assert torch.allclose(ref, row_logprobs(start, r), atol=1e-5)
+        d = ref - row_logprobs(model, r)
         total += (torch.exp(d) - d - 1).sum().item()
     assert total > 0 and out.loss.item() == pytest.approx(0.1 * total / batch.num_targets().item(), rel=1e-4)
     assert out.metrics["clm/kl"].item() == pytest.approx(total / batch.num_targets().item(), rel=1e-4)

@@ -47,7 +47,10 @@ def test_torchrun_two_ranks_end_to_end(tmp_path, subprocess_env):
 EASY_EPISODE = {"prefix": "say the digit.\n\n", "observations": ["digit 7"], "query": "digit?", "answer": "7"}
 
 
-def test_resume_mid_run_equals_an_uninterrupted_run(tmp_path, subprocess_env):
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_resume_mid_run_equals_an_uninterrupted_run(tmp_path, subprocess_env, beta):
+    """With `algo.beta` the resumed run must also restore the KL reference (the starting weights), not
+    take the weights it resumes from as its reference."""
     import json
     import shutil
 
@@ -70,7 +73,8 @@ def test_resume_mid_run_equals_an_uninterrupted_run(tmp_path, subprocess_env):
     def run():
         rows = torchrun_train(out, subprocess_env, *data, f"model.path={start}", "trainer.max_steps=4",
                               "trainer.save_every=2", "trainer.batch_size=2", "trainer.micro_batch_size=8",
-                              "algo.num_generations=4", "trainer.lr=1e-4", algo="clm")
+                              "algo.num_generations=4", "trainer.lr=1e-4", f"algo.beta={beta}", algo="clm")
+        assert all(("clm/kl" in x) == (beta > 0) for x in rows if x["split"] == "train")
         return {x["step"]: (x["loss"], x["clm/advantage_abs"], x["grad_norm"], x["clm/compute"], x["clm/calls"],
                             x["rollout/length"]) for x in rows if x["split"] == "train"}
 
