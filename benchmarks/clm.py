@@ -57,6 +57,12 @@ from tasks.context_file import TINY_FORMAT, ContextFile, ContextFormat, Turn, re
 
 
 RUN_RECORD = "bench_run.json"  # an RL run's wall time and overrides, written once the run finished
+# --slack: episodes whose budget varies (200-400 characters, stated in the task text), so folding late is
+# possible on some and cheaper (~20% less compute between a fold at 0.3 and 0.7 of the budget, where the
+# default task's schedules are within 5%); the warm start is SFT on scripted calls that fold at a share
+# drawn per episode (up to where the script would overflow), continued from the data=clm warm start.
+SLACK = {"budget_range": [200, 400], "fold_range": [0.3, 0.95]}
+SLACK_WARM = {"lr": 1e-3, "batch_size": 32}
 
 
 def warm_model(cache_dir: str | None) -> str:
@@ -71,21 +77,65 @@ def warm_model(cache_dir: str | None) -> str:
     return ensure(cfg.model, World())
 
 
+def data_overrides(data: dict) -> list[str]:
+    return [f"data.{k}=[{','.join(str(x) for x in v)}]" for k, v in data.items()]
+
+
+def slack_warm(base: str, cache_dir: str | None, steps: int) -> str:
+    """The --slack warm start: `steps` of SFT on the slack task's scripted calls from `base`, built
+    once into CACHE/clm-slack-HASH (trained aside, published by one rename when the run finished)."""
+    overrides = ["+algo=sft", "data=clm", "data.view=calls", *data_overrides(SLACK), f"model.path={base}",
+                 f"trainer.max_steps={steps}", f"trainer.batch_size={SLACK_WARM['batch_size']}",
+                 "trainer.micro_batch_size=32", f"trainer.lr={SLACK_WARM['lr']}",
+                 f"trainer.warmup_steps={max(1, steps // 20)}", "trainer.min_lr_ratio=0.05",
+                 f"trainer.eval_every={max(1, steps // 4)}", "trainer.eval_examples=100",
+                 "trainer.save_every=100000", "trainer.resume=never", "logging.wandb=false", "logging.progress=false"]
+    cache = os.path.expanduser(cache_dir or os.environ.get("POSTTRAIN_CACHE", "~/.cache/posttrain"))
+    key = hashlib.sha256(json.dumps(portable(overrides) + [model_digest(base)]).encode()).hexdigest()[:12]
+    path = os.path.join(cache, f"clm-slack-{key}")
+    if os.path.isdir(path):
+        return path
+    tmp = f"{path}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"building the --slack warm start ({steps} SFT steps) in {path}", flush=True)
+    started = time.perf_counter()
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *overrides, f"output_dir={tmp}"],
+                          env=env, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SystemExit(f"the --slack warm start failed:\n{proc.stderr[-3000:]}")
+    final = os.path.join(tmp, "final")
+    shutil.copy(os.path.join(tmp, "metrics.jsonl"), os.path.join(final, "warm_start_metrics.jsonl"))
+    with open(os.path.join(final, "slack_warm_start.json"), "w") as fh:
+        json.dump({"overrides": portable(overrides), "seconds": time.perf_counter() - started}, fh, indent=1)
+    os.replace(final, path)  # published only when the run finished
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"--slack warm start built in {time.perf_counter() - started:.0f}s", flush=True)
+    return path
+
+
+def model_digest(path: str) -> str:
+    with open(os.path.join(path, "model.safetensors"), "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()[:12]
+
+
 # --- trajectories --------------------------------------------------------------------------------
 
 
-def oracle(task: ClmTask, episodes, tok, compact_at: float, budget: int | None = None, max_calls: int = 16):
+def oracle(task: ClmTask, episodes, tok, compact_at, budget: int | None = None, max_calls: int = 16):
     """(per episode: [(prompt ids, output ids)], outcomes, successes) of the scripted oracle; compact_at
-    = inf never edits (append-only)."""
+    = inf never edits (append-only); a callable gives each episode's own share."""
     trajs, outcomes, success = [], [], []
     count = lambda s: len(encode(tok, s))  # noqa: E731
     for ep in episodes:
         env = ContextEnv(ep, fmt=task.fmt, count_tokens=count, budget=budget or ep.budget or task.budget,
                          max_calls=max_calls)
+        share = compact_at(ep) if callable(compact_at) else compact_at
         calls = []
         while not env.done:
             prompt = encode(tok, env.prompt())
-            out = scripted_output(env, compact_at)
+            out = scripted_output(env, share)
             calls.append((prompt, encode(tok, out) + [tok.eos_token_id]))
             env.step(out)
         trajs.append(calls)
@@ -324,8 +374,8 @@ def portable(overrides: list[str]) -> list[str]:
             for a in overrides]
 
 
-def setting_name(w_eff: float, tag: str) -> str:
-    return f"w{w_eff}" + (f"-{tag}" if tag else "")
+def setting_name(w_eff: float, tag: str, task: str = "") -> str:
+    return (f"{task}-" if task else "") + f"w{w_eff}" + (f"-{tag}" if tag else "")
 
 
 def quarters(train: list[dict], key) -> tuple[float, float] | None:
@@ -357,8 +407,8 @@ def rl_run(job) -> dict:
                  f"trainer.max_steps={args.steps}", f"trainer.batch_size={args.batch}",
                  f"trainer.eval_every={args.steps}", "trainer.save_every=100000",
                  f"trainer.eval_examples={args.episodes}", "logging.wandb=false", "logging.progress=false",
-                 *([f"trainer.lr={args.lr}"] if args.lr else []), *args.extra]
-    setting = setting_name(w_eff, args.tag)
+                 *([f"trainer.lr={args.lr}"] if args.lr else []), *args.data, *args.extra]
+    setting = setting_name(w_eff, args.tag, args.task_name)
     result_file = os.path.join(args.results, f"{setting}-s{seed}.json") if args.results else None
     if result_file and os.path.exists(result_file):
         earlier = json.load(open(result_file))
@@ -419,18 +469,18 @@ def render(results: str) -> str:
     """RESULTS.md beside the results folder (docs/results/clm -> docs/results/clm.md) from every file in it."""
     runs = [json.load(open(os.path.join(results, f))) for f in sorted(os.listdir(results))
             if f.endswith(".json")] if os.path.isdir(results) else []
-    warm = [r for r in runs if r.get("setting") == "warm-start"]
-    runs = [r for r in runs if r.get("setting") != "warm-start"]
+    warm = [r for r in runs if r.get("setting", "").endswith("warm-start")]
+    runs = [r for r in runs if not r.get("setting", "").endswith("warm-start")]
     lines = ["# CLM RL on the embedded episodes (generated by benchmarks/clm.py)", "",
              "Held-out episodes played greedily by each run's final model; compute = prefill tokens forwarded with",
              "prefix caching + decoded tokens, per episode; `spread`: the share of the episode groups played whose",
              "success differs (with dynamic sampling: whose `dynamic_metric` signal differs, before the filter), first",
              "→ last quarter of the run; `|a_eff|`: mean efficiency advantage, last quarter. Each run's overrides are",
              f"in its file under `{os.path.basename(results.rstrip('/'))}/`.", ""]
-    if warm:
-        w = warm[0]
-        lines += [f"Warm start (before RL): success {w['success']:.3f}, compute {w['compute']:.1f}, overflow "
-                  f"{w['overflow']:.3f} on {w.get('episodes', '?')} episodes.", ""]
+    for w in warm:  # one per task setting: `warm-start` (the default episodes), `slack-warm-start` (--slack)
+        task = w["setting"][: -len("warm-start")].rstrip("-")
+        lines += [f"Warm start{f' of the {task} episodes' if task else ''} (before RL): success {w['success']:.3f}, "
+                  f"compute {w['compute']:.1f}, overflow {w['overflow']:.3f} on {w.get('episodes', '?')} episodes.", ""]
     lines += ["| setting | seeds | success (mean ± std) | per seed | compute (mean ± std) | compute, successes | "
               "overflow | train success first → last | spread first → last | |a_eff| | wall s |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -485,6 +535,10 @@ def main() -> None:
                          "overrides; the table RESULTS.md is rendered beside it (default docs/results/clm; '' = none)")
     ap.add_argument("--tag", default="", help="a setting name part for runs with other --extra (w0.25-TAG-s0.json)")
     ap.add_argument("--render", action="store_true", help="only rewrite the table from --results")
+    ap.add_argument("--slack", action="store_true",
+                    help=f"episodes with room to spare ({', '.join(f'data.{k}={v}' for k, v in SLACK.items())}) and "
+                         f"their own warm start; settings named slack-w...")
+    ap.add_argument("--slack-warm-steps", type=int, default=800, help="SFT steps of the --slack warm start")
     args = ap.parse_args()
     torch.set_num_threads(1)
     args.max_new, args.max_calls = 72, 16
@@ -495,8 +549,12 @@ def main() -> None:
     if args.long_only:
         print(json.dumps({"long_serving": long_serving(args)}))
         return
+    data = SLACK if args.slack else {}
+    args.data, args.task_name = data_overrides(data), "slack" if args.slack else ""
     warm = args.model or warm_model(args.cache_dir)
-    task = ClmTask(seed=0, n_train=2000, n_test=args.episodes)
+    if args.slack and not args.model:
+        warm = slack_warm(warm, args.cache_dir, args.slack_warm_steps)
+    task = ClmTask(seed=0, n_train=2000, n_test=args.episodes, **data)
     episodes = list(task.test_examples())[: args.episodes]
     args.eval_task = (task, episodes)  # what every RL run's final model is played on
     max_new, max_calls = args.max_new, args.max_calls
@@ -509,8 +567,12 @@ def main() -> None:
     table = []
     prefix_reuse = ReuseConfig(mode="prefix")
     oracle_trajs = {}
+    scripted = [("scripted", task.compact_at, None)]
+    if args.slack:  # the demonstrations' drawn fold points, and the cheapest schedule that still fits
+        scripted = [("scripted, fold past 0.3", 0.3, None), ("scripted, drawn fold points", task.fold_at, None),
+                    ("scripted, latest fold that fits", lambda ep: task.last_fold(ep, *task.fold_range), None)]
     for name, compact, budget in (("append-only", math.inf, None), ("append-only, no budget", math.inf, 10 ** 6),
-                                  ("scripted", task.compact_at, None)):
+                                  *scripted):
         trajs, outcomes, success = oracle(task, episodes, tok, compact, budget, max_calls)
         calls, _, _ = replay(model, trajs, prefix_reuse) if budget is None or budget < 10 ** 6 else (None, None, None)
         if calls is None:  # beyond the model's positions: count what prefix caching would forward
@@ -522,6 +584,7 @@ def main() -> None:
                  for t in trajs]
         table.append(summary(name, success, compute, edits, outcomes))
         oracle_trajs[name] = trajs
+    oracle_trajs.setdefault("scripted", oracle_trajs[scripted[1 if args.slack else 0][0]])
 
     def model_row(name, path):
         _, _, trajs = model_policy(path, task, episodes, max_new, max_calls)
@@ -532,8 +595,9 @@ def main() -> None:
     warm_row, warm_trajs = model_row("warm start (before RL)" if args.model is None else "--model (before RL)", warm)
     table.append(warm_row)
     if args.results and args.model is None:  # the row every RL run is measured against
-        write_result(args.results, os.path.join(args.results, "warm-start.json"),
-                     {**warm_row, "setting": "warm-start", "episodes": len(episodes)})
+        name = f"{args.task_name}-warm-start" if args.task_name else "warm-start"
+        write_result(args.results, os.path.join(args.results, f"{name}.json"),
+                     {**warm_row, "setting": name, "episodes": len(episodes)})
 
     rl = []
     if not args.skip_rl:

@@ -38,6 +38,10 @@ positions: every prompt stays within the 200-character budget and prompt + outpu
   answer the latest value of k.
 - `chain`: the prefix gives a start value (< 50); each observation is a log line carrying one
   `add d` / `sub d` among filler words (values stay in 0..99); query `final value?`.
+- `budget_range=(low, high)` (synthetic kinds): each episode draws its own budget in it, stated at the
+  end of its task text (`... budget 345.`); `fold_range=(low, high)`: each episode's scripted policy
+  folds past its own share of the budget, drawn in [low, the latest share at which the script still
+  solves it] (`last_fold`), so demonstrations fold early, late, or not until they must.
 - `path=`: a JSONL file, one episode per line: {"prefix": str, "observations": [str], "query": str,
   "answer": str | number, "budget": int (optional)}; `test_path` likewise, else the last 10% of rows.
   The scripted policy cannot fold a file episode's state, so it only appends there (the calls view
@@ -52,6 +56,7 @@ Example per scripted call: the SFT warm-up; `verify` wants the scripted output e
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -108,6 +113,7 @@ class Episode(Example):
     observations: tuple[str, ...] = ()  # tool outputs, one shown per model call
     query: str = ""  # the final question, shown as a user turn after the last observation
     budget: int = 0  # context token budget; 0 = the task's default
+    compact_at: float = 0.0  # the scripted policy's fold share for this episode; 0 = the task's
 
 
 class EpisodeError(DataError):
@@ -334,7 +340,8 @@ class ClmTask:
     def __init__(self, seed: int = 0, n_train: int = 2000, n_test: int = 100, kinds: dict[str, float] | None = None,
                  budget: int = DEFAULT_BUDGET, max_calls: int = DEFAULT_MAX_CALLS,
                  compact_at: float = DEFAULT_COMPACT_AT, view: str = "episodes", path: str | None = None,
-                 test_path: str | None = None, check_charset: bool = True, fmt: ContextFormat = TINY_FORMAT):
+                 test_path: str | None = None, check_charset: bool = True, fmt: ContextFormat = TINY_FORMAT,
+                 budget_range: Sequence[int] = (), fold_range: Sequence[float] = ()):
         self.kinds = dict(kinds) if kinds is not None else {k: 1.0 for k in KINDS}
         if view not in VIEWS:
             raise DataError(f"clm: view must be one of {VIEWS}, got {view!r}")
@@ -346,6 +353,13 @@ class ClmTask:
                             f"got {budget}, {max_calls}, {compact_at}, {n_train}, {n_test}")
         if test_path is not None and path is None:
             raise DataError("clm: test_path needs path")
+        self.budget_range, self.fold_range = tuple(budget_range), tuple(fold_range)
+        if self.budget_range and (len(self.budget_range) != 2 or not 0 < self.budget_range[0] <= self.budget_range[1]):
+            raise DataError(f"clm: budget_range must be [low, high] with 0 < low <= high, got {list(budget_range)}")
+        if self.fold_range and (len(self.fold_range) != 2 or not 0 < self.fold_range[0] <= self.fold_range[1] < 1):
+            raise DataError(f"clm: fold_range must be [low, high] with 0 < low <= high < 1, got {list(fold_range)}")
+        if (self.budget_range or self.fold_range) and path is not None:
+            raise DataError("clm: budget_range and fold_range shape synthetic episodes; a task file sets its own budgets")
         self.seed, self.n_train, self.n_test, self.budget, self.max_calls = seed, n_train, n_test, budget, max_calls
         self.compact_at, self.view, self.path, self.test_path, self.fmt = compact_at, view, path, test_path, fmt
         self.check_charset = check_charset
@@ -388,8 +402,12 @@ class ClmTask:
                 break
             kind = rng.choices(kinds, weights)[0]
             prefix, observations, query, answer = GENERATORS[kind](rng)
-            ep = Episode(query, "", answer, f"clm-{split}-{len(out)}", kind=kind, prefix=prefix,
-                         observations=observations, query=query)
+            uid, budget = f"clm-{split}-{len(out)}", 0
+            if self.budget_range:  # the episode's own budget (a stream of its own), stated in its task text
+                budget = random.Random(f"clm-{self.seed}-budget-{uid}").randint(*self.budget_range)
+                prefix = f"{prefix.rstrip()} budget {budget}.\n\n"
+            ep = Episode(query, "", answer, uid, kind=kind, prefix=prefix,
+                         observations=observations, query=query, budget=budget)
             if _key(ep) in seen:
                 continue
             if unique:
@@ -410,21 +428,52 @@ class ClmTask:
         return episodes[:-n_test], episodes[-n_test:]
 
     def _finish(self, ep: Episode) -> Episode:
-        """The episode with its scripted transcript as solution; checked to run (and for the charset)."""
-        outputs = [output for _, output in run_scripted(self.make_env(ep), self.compact_at)]
-        ep = Episode(ep.question, "\n".join(outputs), ep.answer, ep.uid, kind=ep.kind, prefix=ep.prefix,
-                     observations=ep.observations, query=ep.query, budget=ep.budget)
+        """The episode with its scripted transcript as solution (and, with fold_range, its own fold share);
+        checked to run (and for the charset)."""
+        compact_at = self._fold_share(ep) if self.fold_range else ep.compact_at
+        ep = Episode(ep.question, "", ep.answer, ep.uid, kind=ep.kind, prefix=ep.prefix,
+                     observations=ep.observations, query=ep.query, budget=ep.budget, compact_at=compact_at)
+        outputs = [output for _, output in run_scripted(self.make_env(ep), self.fold_at(ep))]
+        ep = dataclasses.replace(ep, solution="\n".join(outputs))
         if self.check_charset:
             reject_outside_charset(ep.prefix + "".join(ep.observations) + ep.query + ep.answer + ep.solution,
                                    f"clm: episode {ep.uid}")
         return ep
+
+    def fold_at(self, ep: Episode) -> float:
+        """The share of the budget past which the scripted policy folds this episode."""
+        return ep.compact_at or self.compact_at
+
+    def _solves(self, ep: Episode, compact_at: float) -> bool:
+        env = self.make_env(ep)
+        run_scripted(env, compact_at)
+        return env.success(self)
+
+    def last_fold(self, ep: Episode, low: float, high: float) -> float:
+        """The largest share in [low, high], to 0.01, past which the scripted policy can fold `ep` and still
+        solve it (later folds overflow); `low` when none can."""
+        if self._solves(ep, high):
+            return high
+        good, bad = low, high  # bisect: solved at `good` (assumed at low), not at `bad`
+        while bad - good > 0.01:
+            mid = (good + bad) / 2
+            good, bad = (mid, bad) if self._solves(ep, mid) else (good, mid)
+        return good
+
+    def _fold_share(self, ep: Episode) -> float:
+        """A fold share drawn for `ep` (seeded by the task seed and the episode) in [low, last_fold]:
+        episodes of one budget then differ in where, and how often, they fold."""
+        low, high = self.fold_range
+        u = random.Random(f"clm-{self.seed}-fold-{ep.uid}").random()
+        share = round(low + u * (self.last_fold(ep, low, high) - low), 3)
+        return share if self._solves(ep, share) else low
 
     def _calls(self, episodes: Sequence[Episode]) -> list[Example]:
         """Every scripted call as one demonstration; DataError when the script cannot solve an episode."""
         rows = []
         for ep in episodes:
             env = self.make_env(ep)
-            calls = run_scripted(env, self.compact_at)
+            calls = run_scripted(env, self.fold_at(ep))
             if not env.success(self):
                 raise DataError(f"clm: the scripted policy ends episode {ep.uid} with {env.outcome!r}, so its calls "
                                 f"are no demonstration (it folds only kv/chain state; give file budgets that fit)")

@@ -78,6 +78,11 @@ class DataConfig:
     view: str = "episodes"  # episodes (RL) | calls (the scripted policy's calls as SFT rows: the warm-up)
     budget: int = 200  # context token budget of a synthetic episode
     compact_at: Optional[float] = None  # the scripted policy rewrites above this share of the budget; None = the task's
+    # [low, high]: each synthetic episode draws its own budget in it, stated in its task text ([] = `budget`)
+    budget_range: list[int] = field(default_factory=list)
+    # [low, high]: each episode's scripted policy folds past its own share drawn in it, capped where the
+    # script would overflow ([] = compact_at for all)
+    fold_range: list[float] = field(default_factory=list)
     # user data (name=text)
     path: Optional[str] = None
     test_path: Optional[str] = None

@@ -63,6 +63,7 @@ def build_task_from(data: DataConfig, model: ModelConfig | None = None):
         extra = {} if data.compact_at is None else {"compact_at": data.compact_at}
         return build_task("clm", seed=data.seed, n_train=data.n_train, n_test=data.n_test, kinds=dict(data.kinds) or None,
                           budget=data.budget, view=data.view, path=data.path, test_path=data.test_path,
+                          budget_range=tuple(data.budget_range), fold_range=tuple(data.fold_range),
                           check_charset=tiny, **extra)
     return build_task("text", path=data.path, test_path=data.test_path, train_split=data.train_split,
                       test_split=data.test_split, test_fraction=data.test_fraction, seed=data.seed,

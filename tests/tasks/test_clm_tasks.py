@@ -400,6 +400,97 @@ def test_bad_settings():
         ClmTask(compact_at=1.5)
 
 
+def test_bad_slack_settings():
+    for bad in ([200], [0, 100], [300, 200]):
+        with pytest.raises(DataError, match="budget_range"):
+            ClmTask(budget_range=bad)
+    for bad in ([0.5], [0.0, 0.5], [0.6, 0.5], [0.3, 1.0]):
+        with pytest.raises(DataError, match="fold_range"):
+            ClmTask(fold_range=bad)
+    with pytest.raises(DataError, match="task file"):
+        ClmTask(path="episodes.jsonl", budget_range=[200, 300])
+
+
+# ---------------------------------------------------------------------------------------------
+# Slack: per-episode budgets and fold points
+
+
+def compute_on_text(task: ClmTask, ep: Episode, compact_at: float) -> tuple[bool, int, int]:
+    """(success, compute, edits) of the scripted policy, compute counted on the text as prefix caching
+    would: each prompt's characters past its longest common prefix with the previous call's prompt +
+    output, plus each output and its EOS."""
+    env = task.make_env(ep)
+    compute, previous = 0, ""
+    while not env.done:
+        prompt, output = env.prompt(), scripted_output(env, compact_at)
+        shared = next((i for i, (a, b) in enumerate(zip(prompt, previous)) if a != b), min(len(prompt), len(previous)))
+        compute += len(prompt) - shared + len(output) + 1
+        previous = prompt + output
+        env.step(output)
+    return env.success(task), compute, env.edits
+
+
+def test_budget_range_gives_each_episode_its_own_stated_budget():
+    plain = ClmTask(n_train=50, n_test=10).episodes()
+    task = ClmTask(n_train=50, n_test=10, budget_range=[200, 400])
+    train, test = task.episodes()
+    budgets = [ep.budget for ep in train + test]
+    assert all(200 <= b <= 400 for b in budgets) and len(set(budgets)) > 20
+    for ep, base in zip(train + test, plain[0] + plain[1]):
+        # the same draws as the plain task (the budget is drawn after them), with the budget in the task text
+        assert ep.observations == base.observations and ep.answer == base.answer and base.budget == 0
+        assert ep.prefix == base.prefix.rstrip() + f" budget {ep.budget}.\n\n"
+        env = task.make_env(ep)
+        assert env.budget == ep.budget and env.prompt().startswith(ep.prefix)
+        assert run_append_only(task.make_env(ep)).budget == ep.budget
+    # the env holds each episode to its own budget: appending alone runs more calls before it overflows
+    plain_task = ClmTask(n_train=50, n_test=10)
+    for ep, base in zip(train, plain[0]):
+        mine, theirs = run_append_only(task.make_env(ep)), run_append_only(plain_task.make_env(base))
+        assert mine.outcome != "overflow" or mine.context_tokens() > ep.budget
+        assert mine.calls > theirs.calls or ep.budget < 300
+
+
+def test_fold_range_draws_fold_points_up_to_the_last_that_fits():
+    task = ClmTask(n_train=60, n_test=10, budget_range=[200, 400], fold_range=[0.3, 0.95])
+    train, test = task.episodes()
+    grid = [round(0.3 + 0.01 * i, 2) for i in range(66)]
+    shares = []
+    for ep in train + test:
+        share = task.fold_at(ep)
+        assert 0.3 <= share <= 0.95
+        ok, _, _ = compute_on_text(task, ep, share)
+        assert ok, (ep.uid, share)
+        assert ep.solution == "\n".join(o for _, o in run_scripted(task.make_env(ep), share))
+        # no later than the last grid share at which the script still solves the episode (+ the grid step)
+        last = max(c for c in grid if compute_on_text(task, ep, c)[0])
+        assert share <= last + 0.01, (ep.uid, share, last)
+        shares.append(share)
+    assert len(set(shares)) > 30 and min(shares) < 0.4 and max(shares) > 0.6
+    # the calls view is the demonstrations of those fold points
+    calls = ClmTask(n_train=60, n_test=10, budget_range=[200, 400], fold_range=[0.3, 0.95], view="calls")
+    assert [c.solution for c in calls.train_examples()] == [
+        o for ep in train for _, o in run_scripted(task.make_env(ep), task.fold_at(ep))]
+    assert all(len(c.question) <= 400 for c in calls.train_examples())
+
+
+def test_slack_makes_successful_episodes_differ_in_compute():
+    # The premise of the variant: on the default task folding early or late costs within ~5%; with budgets
+    # of 200-400 folding late is much cheaper, and folding too late overflows.
+    plain = ClmTask(n_train=100, n_test=10)
+    slack = ClmTask(n_train=100, n_test=10, budget_range=[200, 400])
+
+    def spread(task):
+        out = []
+        for ep in task.train_examples():
+            costs = [c for ok, c, _ in (compute_on_text(task, ep, s) for s in (0.3, 0.5, 0.7)) if ok]
+            if len(costs) > 1:
+                out.append((max(costs) - min(costs)) / max(costs))
+        return sum(out) / len(out)
+
+    assert spread(plain) < 0.05 < 0.15 < spread(slack)
+
+
 # ---------------------------------------------------------------------------------------------
 # Task files
 
