@@ -309,25 +309,26 @@ FACTOR = 2.25  # the estimate / the resident growth, default malloc
 LIVE_FACTOR = 1.75  # the live-tensor part / the resident growth, MALLOC_MMAP_THRESHOLD_=65536
 
 
-def _worker(env) -> list[dict]:
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "trainer" / "memory_worker.py")], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    cases = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(cases) == 9
-    return cases
+def _workers(subprocess_env, *args: str) -> tuple[list[dict], list[dict]]:
+    """The memory worker's cases under glibc's default malloc and with every large tensor an mmap of its own,
+    the two processes side by side (each measures its own resident memory)."""
+    envs = (subprocess_env, dict(subprocess_env, MALLOC_MMAP_THRESHOLD_="65536"))
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "trainer" / "memory_worker.py"), *args], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for env in envs]
+    out = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        out.append([json.loads(line) for line in stdout.splitlines() if line.startswith("{")])
+    return out[0], out[1]
 
 
 @pytest.mark.slow
 def test_rollout_estimate_against_measured_peak_memory(subprocess_env):
     """One engine call of 8 - 64 rows (KV caches of 64 - 256 MB): the estimate less what is resident
     against the resident growth (docs/memory.md: 1.28x - 1.43x; live part 1.02x - 1.72x)."""
-    for env, key, top in ((subprocess_env, "ratio", FACTOR), (dict(subprocess_env, MALLOC_MMAP_THRESHOLD_="65536"),
-                                                               "live_ratio", 2.0)):
-        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "trainer" / "memory_worker.py"), "--rollouts"],
-                              env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        cases = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    plain, mmapped = _workers(subprocess_env, "--rollouts")
+    for cases, key, top in ((plain, "ratio", FACTOR), (mmapped, "live_ratio", 2.0)):
         assert len(cases) == 4
         for c in cases:
             assert c["measured_mb"] > 100 and 0.95 <= c[key] <= top, c
@@ -335,10 +336,12 @@ def test_rollout_estimate_against_measured_peak_memory(subprocess_env):
 
 @pytest.mark.slow
 def test_estimate_against_measured_peak_memory(subprocess_env):
-    for c in _worker(subprocess_env):
+    plain, mmapped = _workers(subprocess_env)
+    assert len(plain) == len(mmapped) == 9
+    for c in plain:
         assert c["measured_mb"] > 40, c  # activations large enough for allocator noise to be small
         assert 0.95 <= c["ratio"] <= FACTOR, c
-    for c in _worker(dict(subprocess_env, MALLOC_MMAP_THRESHOLD_="65536")):
+    for c in mmapped:
         assert 0.95 <= c["live_ratio"] <= LIVE_FACTOR, c
 
 
