@@ -430,9 +430,8 @@ class ClmTask:
     def _finish(self, ep: Episode) -> Episode:
         """The episode with its scripted transcript as solution (and, with fold_range, its own fold share);
         checked to run (and for the charset)."""
-        compact_at = self._fold_share(ep) if self.fold_range else ep.compact_at
-        ep = Episode(ep.question, "", ep.answer, ep.uid, kind=ep.kind, prefix=ep.prefix,
-                     observations=ep.observations, query=ep.query, budget=ep.budget, compact_at=compact_at)
+        if self.fold_range:
+            ep = dataclasses.replace(ep, compact_at=self._fold_share(ep))
         outputs = [output for _, output in run_scripted(self.make_env(ep), self.fold_at(ep))]
         ep = dataclasses.replace(ep, solution="\n".join(outputs))
         if self.check_charset:
