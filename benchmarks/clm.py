@@ -96,21 +96,25 @@ def slack_warm(base: str, cache_dir: str | None, steps: int) -> str:
     if os.path.isdir(path):
         return path
     tmp = f"{path}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     print(f"building the --slack warm start ({steps} SFT steps) in {path}", flush=True)
     started = time.perf_counter()
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *overrides, f"output_dir={tmp}"],
-                          env=env, capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode != 0:
+    try:  # whatever ends the build (a failed run, an interrupt), the work dir goes with it
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *overrides, f"output_dir={tmp}"],
+                              env=env, capture_output=True, text=True, cwd=ROOT)
+        if proc.returncode != 0:
+            raise SystemExit(f"the --slack warm start failed:\n{proc.stderr[-3000:]}")
+        final = os.path.join(tmp, "final")
+        shutil.copy(os.path.join(tmp, "metrics.jsonl"), os.path.join(final, "warm_start_metrics.jsonl"))
+        with open(os.path.join(final, "slack_warm_start.json"), "w") as fh:
+            json.dump({"overrides": portable(overrides), "seconds": time.perf_counter() - started}, fh, indent=1)
+        try:
+            os.replace(final, path)  # published only when the run finished
+        except OSError:
+            if not os.path.isdir(path):  # else a benchmark beside this one published the same build first
+                raise
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise SystemExit(f"the --slack warm start failed:\n{proc.stderr[-3000:]}")
-    final = os.path.join(tmp, "final")
-    shutil.copy(os.path.join(tmp, "metrics.jsonl"), os.path.join(final, "warm_start_metrics.jsonl"))
-    with open(os.path.join(final, "slack_warm_start.json"), "w") as fh:
-        json.dump({"overrides": portable(overrides), "seconds": time.perf_counter() - started}, fh, indent=1)
-    os.replace(final, path)  # published only when the run finished
-    shutil.rmtree(tmp, ignore_errors=True)
     print(f"--slack warm start built in {time.perf_counter() - started:.0f}s", flush=True)
     return path
 
@@ -584,7 +588,6 @@ def main() -> None:
                  for t in trajs]
         table.append(summary(name, success, compute, edits, outcomes))
         oracle_trajs[name] = trajs
-    oracle_trajs.setdefault("scripted", oracle_trajs[scripted[1 if args.slack else 0][0]])
 
     def model_row(name, path):
         _, _, trajs = model_policy(path, task, episodes, max_new, max_calls)
@@ -634,7 +637,8 @@ def main() -> None:
     spans["suffix K=6 (64/16/32)"] = ReuseConfig(mode="suffix")
     spans["prefix"] = ReuseConfig(mode="prefix")
     serve = {}
-    for name, trajs in (("scripted", oracle_trajs["scripted"]), ("warm start", warm_trajs)):
+    served = "scripted, drawn fold points" if args.slack else "scripted"  # the demonstrations' trajectories
+    for name, trajs in ((served, oracle_trajs[served]), ("warm start", warm_trajs)):
         if not trajs:
             continue
         rows = serving(model, trajs, tok, task.fmt, spans)

@@ -23,6 +23,7 @@ def test_torchrun_two_ranks_end_to_end(tmp_path, subprocess_env):
     lines = torchrun_train(out, subprocess_env, *CLM, "algo.reuse=suffix", "algo.reuse_min_span=8",
                            "algo.reuse_reforward=2", "algo.reuse_min_gain=4", "algo.dynamic_sampling=true",
                            "algo.dynamic_max_rounds=2", "algo.dynamic_metric=success", "algo.retire_after=1",
+                           "data.budget_range=[200,400]", "data.fold_range=[0.3,0.95]",  # episodes of varied budgets
                            algo="clm")[:-1]
     train = [x for x in lines if x["split"] == "train"]
     assert [x["step"] for x in train] == [1, 2]
