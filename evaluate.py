@@ -1,11 +1,11 @@
 """Held-out accuracy of a model: `python evaluate.py model.path=DIR data=NAME [trainer.eval_examples=N]`, or
 with a recipe's data and eval settings: `python evaluate.py +recipe=NAME model.path=DIR data.path=... data.test_path=...`.
 
-Prints one JSON line with `accuracy`, `step_accuracy` and `n`. A quantized export (compressed-tensors,
-e.g. a `+algo=qad` run's final/) is evaluated as served: on the runtime's low-bit path. An export
-with a layer skipper (`final/skipper/`, from `+algo=skipper`) is evaluated with its routers on, as
-the runtime serves it; the JSON line then also carries `skip_ratio` (skipped routed layer-tokens of
-the greedy decode steps).
+Prints one JSON line with `accuracy`, `step_accuracy` and `n`. A `model.path` export is evaluated as
+it is served: opened through the serving door (`inference/serving.py`, `load_served`), so a quantized
+export (compressed-tensors, e.g. a `+algo=qad` run's final/) runs on the low-bit path, and an export
+with a layer skipper (`final/skipper/`, from `+algo=skipper`) runs with its routers on; the JSON line
+then also carries `skip_ratio` (skipped routed layer-tokens of the greedy decode steps).
 """
 from __future__ import annotations
 
@@ -36,46 +36,39 @@ def main(argv: list[str]) -> int:
 
     world = World()
     ensure(cfg.model, world)  # the default model, when no model.path is given
-    model, tokenizer = _load(cfg.model, world, load_model)
+    from inference.serving import ServingError
+
+    try:
+        server = _served(cfg.model, world)
+    except ServingError as err:  # e.g. a skipper for another base, a weight format this runtime cannot run
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if server is None:  # the default model: the trainer's own loader
+        model, tokenizer = load_model(cfg.model, world)
+    else:
+        model, tokenizer = server.model, server.tokenizer
     task = prompts_for(build_task_from(cfg.data, cfg.model), tokenizer, cfg.data, world, model_positions(model))
     examples = list(task.test_examples())[: cfg.trainer.eval_examples]
-    stats = _skip_stats(model)
     with Precision(cfg.model.dtype).autocast(world.device):  # as a training run's evals (trainer/precision.py)
-        result = evaluate(model.eval(), tokenizer, task, examples, world, cfg.trainer.eval_max_new_tokens)
-    if stats is not None:
-        result["skip_ratio"] = stats.skip_ratio()
+        result = evaluate(model.eval(), tokenizer, task, examples, world, cfg.trainer.eval_max_new_tokens,
+                          engine=server)
+    if server is not None and server.skipper is not None:
+        result["skip_ratio"] = server.stats.skip_ratio()
     print(json.dumps(result))
     return 0
 
 
-def _load(m, world, load_model):
+def _served(m, world):
+    """model.path opened through the serving door (its manifest's fast paths), in fp32 as training
+    evals run; None for the default model."""
     import os
 
-    from models.quant_export import is_compressed
-
-    if m.path is not None and is_compressed(os.path.expanduser(m.path)):
-        from inference.quantized import load_quantized
-
-        return load_quantized(os.path.expanduser(m.path), world.device)
-    model, tokenizer = load_model(m, world)
-    if m.path is not None:
-        from models.skipper import find_skipper, load_skipper
-
-        skipper = find_skipper(os.path.expanduser(m.path))
-        if skipper is not None:
-            load_skipper(model, skipper)
-    return model, tokenizer
-
-
-def _skip_stats(model):
-    """For a skipper model: one SkipStats that every engine of this process adds its counts to."""
-    if getattr(model, "skipper_state", None) is None:
+    if m.path is None:
         return None
-    from inference import skip_routing
+    from inference.serving import ServeOptions, load_served
 
-    stats = skip_routing.SkipStats()
-    skip_routing.SHARED_STATS = stats
-    return stats
+    return load_served(os.path.expanduser(m.path), ServeOptions(device=str(world.device), dtype="float32",
+                                                                trust_remote_code=m.trust_remote_code))
 
 
 if __name__ == "__main__":

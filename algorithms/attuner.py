@@ -70,6 +70,7 @@ from algorithms.base import Batch, RolloutContext, SegmentTerms, StepOutput, Tea
 from algorithms.pic_forward import QUERY, SegmentIds, encode_context, segment_ids, split_rows, student_hidden
 from algorithms.rollouts import completion_mask, encode
 from algorithms.scoring import detached_head, predicting
+from inference.artifacts import ATTUNER_FILE
 from models.anatomy import UnsupportedModel, causal_lm, final_hidden, output_head, unwrap
 from models.query_adapter import (
     QUERY_PROJECTIONS, adapter_disabled, apply_query_lora, check_query_only, shape_fingerprint, trainable_fraction,
@@ -78,7 +79,6 @@ from tasks import DataError
 from tasks.base import HasArtifacts
 
 COMPLETIONS = ("solutions", "teacher")
-ATTUNER_FILE = "attuner.json"
 
 
 @dataclass

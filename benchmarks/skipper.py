@@ -216,18 +216,15 @@ def train(args, target: float) -> str:
 
 def quality(model, tok, args) -> dict:
     """Held-out greedy accuracy, with the skip ratios of the decode steps when `model` has a skipper."""
-    from inference import skip_routing
+    from inference import Engine
     from tasks import build_task
     from trainer.distributed import World
     from trainer.evaluation import evaluate
 
     task = build_task("arith", seed=0, n_train=20000, n_test=200, digits=2, steps=2, ops=("+", "-"))
-    stats = skip_routing.SkipStats()
-    skip_routing.SHARED_STATS = stats
-    try:
-        result = evaluate(model, tok, task, list(task.test_examples())[: args.eval_examples], World(), 128)
-    finally:
-        skip_routing.SHARED_STATS = None
+    engine = Engine(model)  # its skip_stats sum the routed layers' counts over every eval batch
+    stats = engine.skip_stats
+    result = evaluate(model, tok, task, list(task.test_examples())[: args.eval_examples], World(), 128, engine=engine)
     routed = getattr(getattr(model, "skipper_state", None), "spec", None)
     if routed is not None:
         result["skip_ratio"] = stats.skip_ratio()

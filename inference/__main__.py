@@ -1,13 +1,13 @@
 """Command line generation: `python -m inference DIR --prompt TEXT [options]`.
 
-Loads a causal LM and its tokenizer through `models.loading` from DIR (e.g. a run's `final/`;
-a PEFT adapter dir whose adapter_config.json names its base also works, merged into the base;
-a compressed-tensors quantized export, e.g. from `+algo=qad`, runs on the low-bit path:
-integer weights and per-token integer activations through integer matmuls, `inference/quantized.py`;
-an export with a layer skipper in `DIR/skipper/`, e.g. from `+algo=skipper`, runs with its routers:
-routed execution, `inference/skip_routing.py`), completes the prompt with the Engine, stopping at the tokenizer's eos token, and prints the
-completion. `--adapter ADAPTER_DIR` serves an exported LoRA adapter on top of DIR as its base.
-Models load in the dtype they were saved in (what `from_pretrained` does by default).
+Opens DIR through the serving door (`inference/serving.py`: `load_served`), as its `serving.json`
+manifest says (an export without one is described from its files): a full model; a PEFT adapter dir
+merged into the base it names; a compressed-tensors quantized export (`+algo=qad`) on the low-bit
+path (integer matmuls, `inference/quantized.py`); an export with a layer skipper in `DIR/skipper/`
+(`+algo=skipper`) with its routers (routed execution, `inference/skip_routing.py`). It completes the
+prompt, stopping at the manifest's stop ids (the tokenizer's eos), and prints the completion.
+`--adapter` serves an exported LoRA adapter on top of DIR as its base. Models load in the dtype
+they were saved in (what `from_pretrained` does by default).
 
     python -m inference runs/x/final --prompt "12+7=" --max-new-tokens 32            # greedy
     python -m inference BASE --adapter runs/lora/final --prompt "12+7="            # LoRA export
@@ -37,7 +37,9 @@ artifacts, the relocation check and the time to first token.
 
 A request that cannot run (a model or --drafter dir that does not exist, has no config or no
 tokenizer; an empty --prompt; --max-new-tokens below 1) is refused before anything loads with one
-`error:` line on stderr naming the input, exit code 2.
+`error:` line on stderr naming the input, exit code 2; so is one the serving door refuses (a
+drafter with another tokenizer, a skipper for another base, an adapter on low-bit weights, a weight
+format this runtime cannot run), naming the file and the field.
 """
 from __future__ import annotations
 
@@ -127,39 +129,31 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_USAGE
         return _serve_artifacts(args)
     # Imported after argument checks so `--help` and flag errors answer instantly.
-    from inference.engine import Engine
-    from inference.sampling import SamplingParams
-
-    model, tokenizer = load_model(args.model_dir, args.adapter, args.device)
-    try:
-        skipper = attach_skipper(model, args)
-    except ValueError as err:  # SkipperError: a skipper for another model, or a broken dir
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_USAGE
-    eos = tokenizer.eos_token_id
-    params = SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, stop_token_ids=(eos,) if eos is not None else (),
-    )
-    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    from inference.serving import ServeOptions, ServingError, load_served
     from models.prompts import ChatTemplateError
 
+    options = ServeOptions(adapter=args.adapter, skipper=args.skipper, use_skipper=not args.no_skipper,
+                           skip_mode=args.skip_mode, speculative=args.speculative, drafter=args.drafter,
+                           draft_len=args.draft_len, confidence=args.confidence,
+                           adaptive=False if args.fixed_draft else None, device=args.device)
     try:
-        prompt_ids = encode_cli_prompt(tokenizer, args.prompt, args.chat)
-    except ChatTemplateError as err:  # --chat with a tokenizer that has no template
+        server = load_served(args.model_dir, options)
+        prompt_ids = encode_cli_prompt(server.tokenizer, args.prompt, args.chat)
+    except (ServingError, ChatTemplateError) as err:  # e.g. a skipper for another model; --chat without a template
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    if args.speculative is None:
-        from inference.engine import EngineConfig
-
-        engine = Engine(model, EngineConfig(skip_mode=args.skip_mode))
-        completion = engine.generate([prompt_ids], params, generator)[0]
-        if skipper is not None and getattr(engine.route, "stats", None) is not None:
-            print(f"[skipper {skipper}] skipped {engine.route.stats.skip_ratio():.1%} of routed layer-tokens "
-                  f"in decode ({args.skip_mode})", file=sys.stderr)
-    else:
-        completion = _speculative(args, model, prompt_ids, params, generator)
-    print(tokenizer.decode(completion.tokens, skip_special_tokens=True))
+    params = server.params(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                           top_k=args.top_k)
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    [completion] = server.generate([prompt_ids], params, generator)
+    stats = server.stats
+    if server.skipper is not None and args.speculative is None:
+        print(f"[skipper {server.skipper}] skipped {stats.skip_ratio():.1%} of routed layer-tokens "
+              f"in decode ({args.skip_mode})", file=sys.stderr)
+    if args.speculative is not None:
+        print(f"[speculative {args.speculative}] acceptance length {stats.mean_accepted:.2f} tokens/verify, "
+              f"{stats.tokens_per_s():.1f} tokens/s", file=sys.stderr)
+    print(server.tokenizer.decode(completion.tokens, skip_special_tokens=True))
     return 0
 
 
@@ -173,102 +167,6 @@ def encode_cli_prompt(tokenizer, prompt: str, chat: bool | None) -> list[int]:
 
 def _mode(chat: bool | None) -> str:
     return "auto" if chat is None else ("true" if chat else "false")
-
-
-def load_model(model_dir: str, adapter: str | None, device: str):
-    """(model in eval mode on `device`, tokenizer) through models.loading: model_dir may itself be
-    an adapter dir (load_pretrained merges it into its base); `adapter` is applied on top and
-    merged, so the lean decoder runs the result. The tokenizer is model_dir's."""
-    from models.loading import load_pretrained
-    from models.model_dir import ModelDirError
-    from models.quant_export import is_compressed
-
-    if is_compressed(model_dir):  # a quantized export: the low-bit path (integer matmuls)
-        if adapter:
-            _usage_exit(f"--adapter cannot be applied to the quantized model in {model_dir}")
-        from inference.quantized import load_quantized
-
-        return load_quantized(model_dir, device)
-    try:
-        model, tokenizer = load_pretrained(model_dir, saved_dtype(model_dir))
-    except ModelDirError as err:  # e.g. an adapter dir saved without its tokenizer
-        _usage_exit(str(err))
-    if adapter:
-        from peft import PeftModel
-
-        from models.loading import plain_weights
-
-        try:
-            with plain_weights(adapter):
-                model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
-        except ModelDirError as err:  # a weights pickle that is not plain data: refused, nothing of it ran
-            _usage_exit(str(err))
-    return model.to(device).eval(), tokenizer
-
-
-def _usage_exit(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(EXIT_USAGE)
-
-
-def attach_skipper(model, args) -> str | None:
-    """Apply `--skipper DIR`, or else `model_dir/skipper/` when the export has one (unless
-    --no-skipper); returns the dir applied, or None."""
-    from models.skipper import find_skipper, load_skipper
-
-    path = args.skipper or (None if args.no_skipper else find_skipper(args.model_dir))
-    if path is None:
-        return None
-    load_skipper(model, path)
-    return path
-
-
-def saved_dtype(path: str) -> str:
-    """Name of the dtype the checkpoint at `path` (an adapter dir: its base) was saved in, as
-    models.loading spells it; float32 when the config names none it knows."""
-    from transformers import AutoConfig
-
-    from models.loading import DTYPES
-
-    if os.path.exists(os.path.join(path, ADAPTER_CONFIG)):
-        from peft import PeftConfig
-
-        path = PeftConfig.from_pretrained(path).base_model_name_or_path
-    dtype = getattr(AutoConfig.from_pretrained(path), "dtype", None)
-    name = str(dtype).removeprefix("torch.")
-    return name if name in DTYPES else "float32"
-
-
-def _seed_dir(args) -> str:
-    """Where seed_drafter.json is read: the adapter dir when it has one, else the model dir."""
-    from inference.artifacts import SEED_DRAFTER_FILE
-
-    if args.adapter and os.path.exists(os.path.join(args.adapter, SEED_DRAFTER_FILE)):
-        return args.adapter
-    return args.model_dir
-
-
-def _speculative(args, model, prompt_ids, params, generator):
-    """Generate with speculative decoding; report acceptance length and tokens/s on stderr."""
-    import time
-
-    from inference.speculative import SpeculativeDecoder
-
-    overrides = {key: value for key, value in (("draft_len", args.draft_len), ("confidence", args.confidence))
-                 if value is not None}
-    if args.fixed_draft:
-        overrides["adaptive"] = False
-    if args.speculative == "seed":
-        decoder = SpeculativeDecoder.from_pretrained_dir(model, _seed_dir(args), **overrides)
-    else:
-        drafter, _ = load_model(args.drafter, None, args.device)
-        decoder = SpeculativeDecoder(model, mode="external", drafter=drafter, **overrides)
-    start = time.perf_counter()
-    [completion], stats = decoder.generate([prompt_ids], params, generator)
-    seconds = time.perf_counter() - start
-    print(f"[speculative {args.speculative}] acceptance length {stats.mean_accepted:.2f} tokens/verify, "
-          f"{len(completion.tokens) / max(seconds, 1e-9):.1f} tokens/s", file=sys.stderr)
-    return completion
 
 
 def _serve_artifacts(args) -> int:
@@ -287,12 +185,21 @@ def _serve_artifacts(args) -> int:
     except PICError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    model_dir, adapter = args.model_dir, args.adapter
-    if adapter is None and os.path.exists(os.path.join(model_dir, ADAPTER_CONFIG)):
-        from peft import PeftConfig  # the dir is itself an adapter: serve it over the base it names
+    from inference.serving import ServingError, manifest_of
 
-        model_dir, adapter = PeftConfig.from_pretrained(model_dir).base_model_name_or_path, model_dir
-    model, tokenizer = load_pretrained(model_dir, saved_dtype(model_dir))
+    model_dir, adapter = args.model_dir, args.adapter
+    try:
+        manifest = manifest_of(model_dir)
+    except ServingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    if manifest.weights == "compressed":
+        print(f"error: {os.path.join(model_dir, 'serving.json')}: weights compressed: the artifact cache runs "
+              "full-precision weights", file=sys.stderr)
+        return EXIT_USAGE
+    if adapter is None and manifest.base is not None:  # the dir is itself an adapter: serve it over its base
+        model_dir, adapter = manifest.base, model_dir
+    model, tokenizer = load_pretrained(model_dir, manifest.weights)  # an adapter's manifest: its base's dtype
     model = model.to(args.device).eval()
 
     from models.prompts import ChatTemplateError, chat_parts, continuation_ids, prompt_ids, use_chat

@@ -53,7 +53,7 @@ from inference.lean import (
     EAGER, LeanBackend, Rope, compiled_blocks, lean_unsupported_reason, read_dims, rope_tables,
 )
 from inference.rollout import Completion, Emitted, Rollout
-from inference.skip_routing import MODES as SKIP_MODES, route_for
+from inference.skip_routing import MODES as SKIP_MODES, SkipStats, route_for
 from inference.sampling import SamplingParams, sample_next
 
 __all__ = ["Completion", "Engine", "EngineConfig", "SamplingParams"]
@@ -249,12 +249,14 @@ class Engine:
     """Batched generation over a live `transformers` causal LM; see `EngineConfig` for the knobs.
 
     Engine(model, config) or, as before configs existed, Engine(model, max_seq_len=..., use_lean=...,
-    compile=...); a keyword that is passed overrides the config's field.
+    compile=...); a keyword that is passed overrides the config's field. A layer-skipper model's
+    routed layers count what ran and what was skipped into `skip_stats`, summed over this engine's
+    calls (pass one to share it, e.g. a Server's).
     """
 
     def __init__(self, model: nn.Module, config: EngineConfig | None = None, *,
                  max_seq_len: int | None = _FROM_CONFIG, use_lean: bool | None = _FROM_CONFIG,
-                 compile: bool = _FROM_CONFIG):
+                 compile: bool = _FROM_CONFIG, skip_stats: SkipStats | None = None):
         passed = {"max_seq_len": max_seq_len, "use_lean": use_lean, "compile": compile}
         overrides = {key: value for key, value in passed.items() if value is not _FROM_CONFIG}
         self.config = dataclasses.replace(config or EngineConfig(), **overrides)
@@ -265,7 +267,8 @@ class Engine:
         if self.use_lean:
             self._require_lean()
         self._rope: Rope | None = None  # RoPE tables, reused across calls while still valid
-        self.route = None  # the last lean call's route (seam 3); a SkipRoute carries `stats`
+        self.route = None  # the last lean call's route (seam 3)
+        self.skip_stats = skip_stats if skip_stats is not None else SkipStats()
 
     def _require_lean(self) -> None:
         reason = lean_unsupported_reason(self.model)
@@ -287,8 +290,8 @@ class Engine:
         self._rope = rope_tables(self.model, max_len, self._rope)
         blocks = compiled_blocks() if self.compile else EAGER
         backend = LeanBackend(self.model, dims, self._rope, batch, max_len, blocks,
-                              route=route_for(self.model, self.config.skip_mode))
-        self.route = backend.route  # a skip route's statistics stay readable after the call
+                              route=route_for(self.model, self.config.skip_mode, self.skip_stats))
+        self.route = backend.route
         return backend
 
     @torch.no_grad()

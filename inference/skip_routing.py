@@ -63,10 +63,11 @@ class SkipWeights:
         return F.linear(F.silu(gate) * up, self.adapter_down)
 
 
-def route_for(model: nn.Module, mode: str = "auto") -> Optional["SkipRoute"]:
-    """The skip route of a layer-skipper model (its spec and current force), None without one."""
+def route_for(model: nn.Module, mode: str = "auto", stats: Optional["SkipStats"] = None) -> Optional["SkipRoute"]:
+    """The skip route of a layer-skipper model (its spec and current force), None without one; it
+    counts into `stats` when given (an engine's, summed over its calls), else into its own."""
     state = getattr(model, "skipper_state", None)
-    return None if state is None else SkipRoute(state.spec, mode, state.force)
+    return None if state is None else SkipRoute(state.spec, mode, state.force, stats)
 
 
 def skip_weights(layer: nn.Module, qkv, dims) -> SkipWeights:
@@ -174,9 +175,6 @@ class CostGate:
 
 
 _MEASURED: dict[tuple, float] = {}
-# When set, every new SkipRoute counts into this one SkipStats (a caller that runs many engine calls,
-# e.g. evaluate.py, reads the total there); None: each route has its own.
-SHARED_STATS: Optional["SkipStats"] = None
 
 
 def _shape_key(w, dims, x) -> tuple:
@@ -194,12 +192,13 @@ class SkipRoute:
     as `models.skipper.forced` does in training. `valid` (n, T) marks real tokens of the next
     multi-token forward (for the statistics); the backend sets it before a padded prefill."""
 
-    def __init__(self, spec: SkipperSpec, mode: str = "auto", force: Optional[str] = None):
+    def __init__(self, spec: SkipperSpec, mode: str = "auto", force: Optional[str] = None,
+                 stats: Optional[SkipStats] = None):
         if mode not in MODES:
             raise ValueError(f"skip mode {mode!r} is not one of {', '.join(MODES)}")
         self.spec, self.mode, self.force = spec, mode, force
         self.gate = CostGate()
-        self.stats = SHARED_STATS if SHARED_STATS is not None else SkipStats()
+        self.stats = stats if stats is not None else SkipStats()
         self.valid: Optional[torch.Tensor] = None
 
     def attach(self, model: nn.Module, weights, dims) -> None:

@@ -239,6 +239,16 @@ def is_compressed(path: str) -> bool:
     return isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD
 
 
+def stored_scheme(path: str) -> QuantScheme:
+    """The low-bit scheme of the compressed-tensors checkpoint at `path`, read from its config.json
+    alone; ValueError naming the file for a dir that is not one, or a format the runtime cannot run."""
+    where = os.path.join(path, CONFIG)
+    qc = (_config_dict(path) or {}).get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != QUANT_METHOD:
+        raise ValueError(f"{where}: not a compressed-tensors checkpoint")
+    return parse_scheme(qc, where)[0]
+
+
 def checkpoint_files(path: str) -> list[str]:
     """The safetensors files of a checkpoint dir (single file or the index's shards)."""
     index = os.path.join(path, "model.safetensors.index.json")

@@ -21,7 +21,8 @@ def was_capped(completion: Any, max_new_tokens: int) -> bool:
 def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any], world: World,
              max_new_tokens: int, prompt: Optional[Callable[[Any], str]] = None,
              engine_config: Optional[EngineConfig] = None,
-             generate: Optional[Callable[[Sequence[Any]], list[list[int]]]] = None) -> dict[str, float]:
+             generate: Optional[Callable[[Sequence[Any]], list[list[int]]]] = None,
+             engine: Any = None) -> dict[str, float]:
     """Greedy-decode this rank's share of `examples`, verify, and reduce counts over ranks.
 
     `prompt` maps an example to its prompt text (default: the task's student prompt; the
@@ -30,13 +31,15 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequen
     task with several valid solution paths (`task.solution_path`, e.g. multipath) also path_differs
     (share of completions whose path is not the reference's) and path_differs_correct (share of the
     right answers reached through fully right working on another path than the reference's).
-    `engine_config` configures the inference Engine (None: its defaults). `generate` replaces the
-    engine: examples -> greedy completion ids (an algorithm that serves its artifact another way,
-    e.g. attuner over the position-independent cache).
+    `engine_config` configures the inference Engine (None: its defaults); `engine` is one already
+    built (an Engine, or a `serving.Server`: an export decoded with its fast paths). `generate`
+    replaces the engine: examples -> greedy completion ids (an algorithm that serves its artifact
+    another way, e.g. attuner over the position-independent cache).
     """
     prompt = prompt or task.prompt
     mine = list(examples)[world.rank :: world.size]
-    engine = Engine(model, engine_config) if generate is None else None
+    if generate is None and engine is None:
+        engine = Engine(model, engine_config)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                             stop_token_ids=(tokenizer.eos_token_id,))
     correct = steps_ok = steps_total = differs = full_marks = differs_full = capped = 0

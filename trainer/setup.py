@@ -281,13 +281,17 @@ def _resume_path(cfg: TrainConfig):
 
 
 def export_final(s: Session) -> str:
-    """Write the algorithm's artifact to output_dir/final/ (rank 0), atomically."""
+    """Write the algorithm's artifact to output_dir/final/ (rank 0), atomically, with its serving
+    manifest (`serving.json`: what the runtime's serving door reads, `inference/serving.py`)."""
+    from inference.serving import write_serving_manifest
+
     model = s.backend.full_model()
     final = os.path.join(s.cfg.output_dir, "final")
     if s.world.is_main:
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         s.algo.export(model, s.tokenizer, tmp)
+        write_serving_manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     s.world.barrier()

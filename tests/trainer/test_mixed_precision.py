@@ -153,14 +153,15 @@ def test_float16_with_loss_scaling_matches_fp32(tmp_path, fp32_run):
 
 
 def test_export_is_fp32_under_bfloat16(tmp_path):
-    """final/ holds the fp32 master weights (no update rounded away); the inference CLI loads that dtype."""
-    from inference.__main__ import saved_dtype
+    """final/ holds the fp32 master weights (no update rounded away); its serving manifest, which the
+    runtime loads by, says so."""
+    from inference.artifacts import read_manifest
     from trainer.setup import export_final
 
     model, tok = _model()
     session, _, after = _train(tmp_path, "bfloat16", model, tok, "trainer.max_steps=1")
     final = export_final(session)
-    assert saved_dtype(final) == "float32"
+    assert read_manifest(final).weights == "float32"
     from transformers import AutoModelForCausalLM
 
     loaded = AutoModelForCausalLM.from_pretrained(final)

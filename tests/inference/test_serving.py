@@ -1,0 +1,270 @@
+"""The serving door (`inference/serving.py`): every export kind writes a `serving.json` that round-trips
+and is what its files say; `load_served` serves each kind with its fast path, equal to an independent
+load of the same export; an export without a manifest still serves; an impossible request is one
+line naming the file and the field (a ServingError, and `error:` + exit 2 from the CLI)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from inference.artifacts import SERVING_FILE, ManifestError, ServingManifest, read_manifest
+from inference.serving import ServeOptions, ServingError, describe, load_served, manifest_of
+from models.tokenizer import build_char_tokenizer
+from tests.conftest import tiny_config
+
+PROMPTS = ["q: 12+7?\na: ", "q: 3-1?\na: "]
+NEW = 12
+
+
+def _ids(tok) -> list[list[int]]:
+    return [tok(p).input_ids for p in PROMPTS]
+
+
+def _greedy(tok, **fields):
+    from inference import SamplingParams
+
+    return SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=(tok.eos_token_id,), **fields)
+
+
+def _tokens(completions) -> list[list[int]]:
+    return [c.tokens for c in completions]
+
+
+def _reference(model, tok, use_lean: bool | None = False) -> list[list[int]]:
+    """Greedy tokens of `model` through the plain engine (HF forward by default)."""
+    from inference import Engine, EngineConfig
+
+    return _tokens(Engine(model.eval(), EngineConfig(use_lean=use_lean)).generate(_ids(tok), _greedy(tok)))
+
+
+# ----------------------------------------------------------------------------- the manifest itself
+
+
+def test_manifest_round_trips_and_refuses_bad_fields_by_name(tmp_path):
+    m = ServingManifest(kind="skipper", weights="bfloat16", skipper="skipper", stop_ids=(2,), vocab_size=40)
+    assert ServingManifest.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    assert ServingManifest.from_dict({**m.to_dict(), "later_field": 1}) == m  # a newer minor field is ignored
+    cases = {
+        "kind": ({"kind": "mystery"}, "kind 'mystery' is not one of"),
+        "weights": ({"kind": "model", "weights": "int3"}, "weights 'int3' is not one of"),
+        "version": ({"kind": "model", "version": 99}, "field version=99"),
+        "missing kind": ({"weights": "float32"}, "field kind is missing"),
+        "stop_ids": ({"kind": "model", "stop_ids": "eos"}, "field stop_ids must be a list"),
+    }
+    for case, (data, message) in cases.items():
+        (tmp_path / SERVING_FILE).write_text(json.dumps(data))
+        with pytest.raises(ManifestError, match=message) as err:
+            read_manifest(tmp_path)
+        assert str(tmp_path / SERVING_FILE) in str(err.value), case
+    (tmp_path / SERVING_FILE).write_text("{not json")
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        read_manifest(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, make_model) -> Path:
+    path = tmp_path_factory.mktemp("plain")
+    make_model("qwen3").save_pretrained(path)
+    build_char_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_an_export_without_a_manifest_is_described_from_its_files_and_serves(model_dir):
+    """Exports written before serving.json existed: no manifest, the same description, the same tokens."""
+    from transformers import AutoModelForCausalLM
+
+    tok = build_char_tokenizer()
+    assert not (model_dir / SERVING_FILE).exists()
+    m = manifest_of(model_dir)
+    assert (m.kind, m.weights, m.base, m.skipper, m.drafter) == ("model", "float32", None, None, None)
+    assert m.stop_ids == (tok.eos_token_id,) and m.vocab_size == len(tok)
+    server = load_served(model_dir)
+    got = _tokens(server.generate(_ids(tok), server.params(max_new_tokens=NEW, temperature=0.0)))
+    assert got == _reference(AutoModelForCausalLM.from_pretrained(model_dir), tok) and any(got)
+    assert server.stats.calls == 1 and server.stats.tokens == sum(map(len, got)) and server.stats.skip is None
+
+
+# ----------------------------------------------------------------------------- impossible requests
+
+
+@pytest.fixture(scope="module")
+def other_vocab_dir(tmp_path_factory) -> Path:
+    """A model dir whose tokenizer has more tokens than the char tokenizer (a drafter for another tokenizer)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    path = tmp_path_factory.mktemp("other_vocab")
+    tok = build_char_tokenizer()
+    tok.add_tokens(["<extra_a>", "<extra_b>"])
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_a_drafter_for_another_tokenizer_is_one_line_naming_file_and_field(model_dir, other_vocab_dir, capsys):
+    from inference.__main__ import EXIT_USAGE, main
+
+    with pytest.raises(ServingError, match=r"serving.json: field vocab_size is \d+, the target's is \d+"):
+        load_served(model_dir, ServeOptions(speculative="external", drafter=str(other_vocab_dir)))
+    assert main([str(model_dir), "--prompt", "1+1=", "--drafter", str(other_vocab_dir)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {other_vocab_dir / SERVING_FILE}: field vocab_size") and err.count("\n") == 1, err
+
+
+def test_a_skipper_for_another_base_is_one_line(model_dir, make_model, tmp_path, capsys):
+    from inference.__main__ import EXIT_USAGE, main
+    from models.skipper import apply_skipper, make_spec, save_skipper
+
+    big = make_model("qwen3", num_hidden_layers=4)  # the base in model_dir has 2 layers
+    apply_skipper(big, make_spec(big.config, layers=[2, 3]))
+    save_skipper(big, str(tmp_path / "skipper"))
+    with pytest.raises(ServingError, match="skipper: ") as err:
+        load_served(model_dir, ServeOptions(skipper=str(tmp_path / "skipper")))
+    assert str(tmp_path / "skipper") in str(err.value)
+    assert main([str(model_dir), "--prompt", "1+1=", "--skipper", str(tmp_path / "skipper")]) == EXIT_USAGE
+    err_line = capsys.readouterr().err
+    assert err_line.startswith("error: skipper: ") and err_line.count("\n") == 1, err_line
+
+
+def test_unrunnable_weights_and_an_adapter_on_low_bit_weights_are_refused(model_dir, tmp_path):
+    # a manifest naming a weight format this runtime does not know
+    bad = tmp_path / "bad"
+    shutil.copytree(model_dir, bad)
+    (bad / SERVING_FILE).write_text(json.dumps({"kind": "model", "weights": "fp4"}))
+    with pytest.raises(ServingError, match=f"{bad / SERVING_FILE}: weights 'fp4' is not one of"):
+        load_served(bad)
+    # a compressed-tensors config with a scheme the low-bit path cannot run
+    odd = tmp_path / "odd"
+    shutil.copytree(model_dir, odd)
+    config = json.loads((odd / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {
+        "group_0": {"targets": ["Linear"], "format": "float-quantized",
+                    "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor"}}}}
+    (odd / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ServingError, match=r"config.json: unsupported quantization_config: .*cannot run its weights"):
+        describe(odd)
+
+
+# ----------------------------------------------------------------------------- every export kind, trained
+
+
+def _train_and_export(out: Path, algo: str, *extra: str) -> tuple[Path, object]:
+    from trainer.distributed import World
+    from trainer.loop import fit
+    from trainer.setup import build_session, export_final
+
+    cfg = tiny_config(out, "trainer.max_steps=1", "trainer.eval_examples=4", "trainer.eval_max_new_tokens=8",
+                      "trainer.max_new_tokens=8", *extra, algo=algo)
+    session = build_session(cfg, World())
+    assert fit(session) == "done"
+    final = Path(export_final(session))
+    session.tracker.close()
+    return final, session
+
+
+def _check_manifest(final: Path, kind: str) -> ServingManifest:
+    """serving.json exists, round-trips, and says what the export's files say."""
+    written = read_manifest(final)
+    assert written is not None and written.kind == kind
+    assert ServingManifest.from_dict(written.to_dict()) == written
+    assert describe(final) == written
+    tok = build_char_tokenizer()
+    assert written.stop_ids == (tok.eos_token_id,) and written.vocab_size == len(tok)
+    return written
+
+
+FOUR = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=2", "model.intermediate_size=64"]
+
+
+def test_full_model_export(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    final, _ = _train_and_export(tmp_path / "run", "sft")
+    m = _check_manifest(final, "model")
+    assert (m.weights, m.base, m.adapter) == ("float32", None, None)
+    tok = build_char_tokenizer()
+    server = load_served(final)
+    assert _tokens(server.generate(_ids(tok), _greedy(tok))) == _reference(AutoModelForCausalLM.from_pretrained(final), tok)
+
+
+def test_lora_adapter_export(tmp_path, model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    final, _ = _train_and_export(tmp_path / "run", "opsd", "model=hf", f"model.path={model_dir}", "algo.lora_rank=4")
+    m = _check_manifest(final, "lora")
+    assert (m.adapter, m.base, m.weights) == ("lora", str(model_dir), "float32")
+    tok = build_char_tokenizer()
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), final).merge_and_unload()
+    assert _tokens(load_served(final).generate(_ids(tok), _greedy(tok))) == _reference(merged, tok)
+    # the adapter served on its base by option equals the adapter dir served alone
+    on_base = load_served(model_dir, ServeOptions(adapter=str(final)))
+    assert _tokens(on_base.generate(_ids(tok), _greedy(tok))) == _reference(merged, tok)
+
+
+def test_seed_drafter_export(tmp_path):
+    final, _ = _train_and_export(tmp_path / "run", "seed", *FOUR)
+    m = _check_manifest(final, "seed")
+    assert m.drafter == "seed_drafter.json"
+    tok = build_char_tokenizer()
+    plain = load_served(final)
+    spec = load_served(final, ServeOptions(speculative="seed"))
+    want = _tokens(plain.generate(_ids(tok), _greedy(tok)))
+    assert _tokens(spec.generate(_ids(tok), _greedy(tok))) == want and any(want)  # greedy speculation is lossless
+    assert spec.stats.speculative.steps > 0 and spec.stats.mean_accepted >= 1.0 and plain.stats.speculative is None
+
+
+def test_skipper_export(tmp_path):
+    from models.loading import load_pretrained
+    from models.skipper import load_skipper
+
+    final, _ = _train_and_export(tmp_path / "run", "skipper", *FOUR)
+    m = _check_manifest(final, "skipper")
+    assert m.skipper == "skipper"
+    tok = build_char_tokenizer()
+    server = load_served(final, ServeOptions(skip_mode="routed"))
+    model, _ = load_pretrained(str(final))
+    load_skipper(model, str(final / "skipper"))
+    assert server.skipper == str(final / "skipper")
+    assert _tokens(server.generate(_ids(tok), _greedy(tok))) == _reference(model, tok, use_lean=None)
+    skip = server.stats.skip
+    assert skip is not None and sum(skip.decode_run.values()) + sum(skip.decode_skip.values()) > 0
+    bare = load_served(final, ServeOptions(use_skipper=False))
+    assert bare.skipper is None and getattr(bare.model, "skipper_state", None) is None
+
+
+def test_quantized_export(tmp_path, monkeypatch):
+    from inference import lowbit
+
+    final, session = _train_and_export(tmp_path / "run", "qad", *FOUR, "trainer.eval_max_new_tokens=8")
+    m = _check_manifest(final, "quantized")
+    assert (m.weights, m.scheme) == ("compressed", "W4A8")
+    tok = build_char_tokenizer()
+    calls = []
+    real = lowbit.cpu_int_matmul
+    monkeypatch.setattr(lowbit, "cpu_int_matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = _tokens(load_served(final).generate(_ids(tok), _greedy(tok)))
+    assert calls, "the integer GEMM of the low-bit path ran"
+    assert got == _reference(session.backend.full_model(), tok)  # the trained fake-quant student's HF forward
+    with pytest.raises(ServingError, match="weights compressed .*cannot be merged into low-bit weights"):
+        load_served(final, ServeOptions(adapter=str(final)))
+
+
+def test_attuner_export(tmp_path, model_dir):
+    final, _ = _train_and_export(tmp_path / "run", "attuner", "data=artifacts", "trainer.batch_size=4",
+                                 "trainer.micro_batch_size=2")
+    m = _check_manifest(final, "attuner")
+    assert m.adapter == "attuner" and m.artifact_cache == {"mode": "pic", "adapter_on": "query"}
+    with pytest.raises(ServingError, match="kind attuner is a query-side adapter for an artifact cache"):
+        load_served(final)
+
+
+def test_manifest_of_a_missing_dir_names_it(tmp_path):
+    from models.model_dir import ModelDirError
+
+    with pytest.raises((ServingError, ModelDirError), match=str(tmp_path / "nowhere")):
+        load_served(tmp_path / "nowhere")
