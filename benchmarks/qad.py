@@ -13,7 +13,7 @@ Part 1, accuracy (the warm-started embedded default, 4 blocks of width 128): for
   FP-SFT       the full-precision model trained with SFT for the same steps (`--fp-sft`): the
                reference for QAT, which also trains on the task's worked solutions;
 
-each exported (compressed-tensors), reloaded by `inference.quantized.load_quantized` and scored
+each exported (compressed-tensors), reloaded through the serving door (`inference.serving.load_served`: the low-bit path) and scored
 greedily on held-out `arith` questions through the integer matmuls (`acc`); beside it the
 in-memory fake-quant model's accuracy as the trainer evaluates it (`fq`) and the share of prompts
 whose greedy completion is identical in both (`same`). Theseus runs also report the per-block output error (nmse given the
@@ -121,7 +121,7 @@ def stage_errors(out: str, num_layers: int) -> list[list[float]]:
 def accuracy_part(args, work: str) -> dict:
     import torch
 
-    from inference.quantized import load_quantized
+    from inference.serving import load_served
     from models.anatomy import decoder_layers
     from models.loading import load_pretrained
     from trainer.config import load_config
@@ -149,7 +149,7 @@ def accuracy_part(args, work: str) -> dict:
         for seed in map(int, args.seeds.split(",")):
             out = os.path.join(work, f"sft-{seed}")
             _, final = train_and_export([f"trainer.max_steps={args.steps}", f"seed={seed}", *common[:-1]], out, "sft")
-            model, _ = load_pretrained(final)
+            model = load_served(final).model
             accs.append(score(task, tokenizer, examples, greedy(model, tokenizer, prompts, args.max_new_tokens, None)))
             print(f"FP-SFT seed {seed}: {accs[-1]:.3f}", flush=True)
             shutil.rmtree(out, ignore_errors=True)
@@ -165,7 +165,7 @@ def accuracy_part(args, work: str) -> dict:
                                                f"trainer.max_steps={steps}", f"seed={seed}", *common], out)
             fq_model = session.backend.full_model().eval()
             fq_out = greedy(fq_model, tokenizer, prompts, args.max_new_tokens, None)  # lean: the trainer's eval path
-            served, _ = load_quantized(final)
+            served = load_served(final).model  # the serving door: the low-bit path
             rt_out = greedy(served, tokenizer, prompts, args.max_new_tokens, True)
             result = {"acc": score(task, tokenizer, examples, rt_out), "fq": score(task, tokenizer, examples, fq_out),
                       "same": sum(a == b for a, b in zip(rt_out, fq_out)) / len(prompts),
@@ -202,7 +202,7 @@ def speed_part(args, work: str) -> dict:
     import torch
 
     from inference import Engine, EngineConfig, SamplingParams
-    from inference.quantized import load_quantized
+    from inference.serving import load_served
     from models.loading import random_qwen3
     from models.quant import QuantScheme, apply_fake_quant
     from models.quant_export import export_compressed, packed_weight_bytes
@@ -223,7 +223,7 @@ def speed_part(args, work: str) -> dict:
         apply_fake_quant(fq, QuantScheme.parse(fmt))
         out = os.path.join(work, f"wide-{fmt}")
         export_compressed(fq, tok, out)
-        served, _ = load_quantized(out)
+        served = load_served(out).model
         sizes = packed_weight_bytes(out)
         row: dict = {"weight_bytes_ratio": sizes["quantized_bytes"] / sizes["fp32_bytes"]}
         for batch in (1, 32):

@@ -306,8 +306,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 0.75, 1.0])
     args = ap.parse_args()
+    from inference.serving import load_served
     from models.loading import load_pretrained
-    from models.skipper import find_skipper, load_skipper
 
     finals = {t: train(args, t) for t in args.targets}
     torch.set_num_threads(1)
@@ -320,9 +320,7 @@ def main() -> None:
     wide_base = widen(base, args.widen) if args.widen > 1 else base
     report = {"base_accuracy": base_q["accuracy"], "widen": args.widen, "targets": {}}
     for target, final in finals.items():
-        model, _ = load_pretrained(final)
-        load_skipper(model, find_skipper(final))
-        model.eval()
+        model = load_served(final).model  # the serving door: the base with its skipper/ routers
         q = quality(model, tok, args)
         wide = widen(model, args.widen) if args.widen > 1 else model
         agree = _agreement(model, wide, prompts[:8], eos)

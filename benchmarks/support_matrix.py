@@ -14,14 +14,14 @@ tokenizer's vocabulary) is built from its transformers config, saved as a local 
   runtime     engine    `inference.Engine(model)` greedy on a left-padded batch of 4 prompts equals HF
                         `generate` run on each prompt alone (and which backend the Engine picked)
               lean      `lean_unsupported_reason(model)` is None, and then `Engine(use_lean=True)` equals HF
-              seed-spec `SpeculativeDecoder.from_pretrained_dir` on the SEED run's export: greedy equals the
+              seed-spec the SEED run's export served with `speculative="seed"` (`load_served`): greedy equals the
                         Engine's greedy on the same export (when the SEED run was refused, the decoder is built
                         on the base model to show the runtime's own answer)
-              low-bit   the QAD run's compressed-tensors export loaded by `inference.quantized.load_quantized`
+              low-bit   the QAD run's compressed-tensors export opened by the serving door (`load_served`)
                         and generating; its greedy compared with the trained fake-quant student's HF forward
                         (the reference tests/inference/test_lowbit.py uses), and whether the lean path ran it
-              skip      the skipper run's export (base + skipper/) loaded as `python -m inference` does
-                        (`load_pretrained` + `load_skipper`), generating; on the lean path the routed and
+              skip      the skipper run's export (base + skipper/) opened as `python -m inference` does
+                        (`load_served`, its manifest's skipper), generating; on the lean path the routed and
                         masked skip modes must agree, else the HF forward with the skipper serves it
               pic       `inference.pic.PICEngine` in mode "full" (full prefill) equals the Engine on the same
                         prompts; "pic" mode with one artifact at position 0 (exact by construction) equals it too
@@ -232,7 +232,6 @@ def pic_cell(model, prompts) -> str:
 def seed_spec_cell(base, export: str | None, prompts) -> str:
     from inference.engine import Engine
     from inference.speculative import SpeculativeDecoder
-    from models.loading import load_pretrained
 
     if export is None:  # the SEED run was refused or failed: ask the runtime directly on the base model
         try:
@@ -240,29 +239,29 @@ def seed_spec_cell(base, export: str | None, prompts) -> str:
         except ValueError as err:
             return "no", f"no SEED export; SpeculativeDecoder(base, mode='seed') says: {short(err)}"
         return "no export", "SpeculativeDecoder builds on the base model, but there is no SEED export to serve"
+    from inference.serving import ServeOptions, load_served
+
     try:
-        model, _ = load_pretrained(export)
-        model.eval()
-        decoder = SpeculativeDecoder.from_pretrained_dir(model, export)
+        server = load_served(export, ServeOptions(speculative="seed"))
     except Exception as err:  # noqa: BLE001 -- the SEED run exported this dir: not serving it is a failure
-        return failed(err, "load")
-    ref = tokens(Engine(model).generate(prompts, greedy_params()))
-    got, stats = decoder.generate(prompts, greedy_params())
+        return failed(err, "load_served")
+    ref = tokens(Engine(server.model).generate(prompts, greedy_params()))
+    got = server.generate(prompts, greedy_params())
     verdict = rows_equal(tokens(got), ref)
     return verdict.split(" ")[0], (f"speculative seed on the SEED export vs its Engine greedy: {verdict} "
-                                   f"(acceptance length {stats.mean_accepted:.2f})")
+                                   f"(acceptance length {server.stats.mean_accepted:.2f})")
 
 
 def lowbit_cell(export: str | None, student, prompts) -> str:
     from inference.engine import Engine, EngineConfig
-    from inference.quantized import load_quantized
+    from inference.serving import load_served
 
     if export is None:
         return "no export", "the QAD run exported nothing"
     try:
-        model, _ = load_quantized(export)
+        model = load_served(export).model
     except Exception as err:  # noqa: BLE001 -- the QAD run exported this dir: not loading it is a failure
-        return failed(err, "load_quantized")
+        return failed(err, "load_served")
     engine = Engine(model)
     got = tokens(engine.generate(prompts, greedy_params()))
     path = "lean" if engine.lean_active() else "HF forward"
@@ -271,32 +270,28 @@ def lowbit_cell(export: str | None, student, prompts) -> str:
     ref = tokens(Engine(student, EngineConfig(use_lean=False)).generate(prompts, greedy_params()))
     verdict = rows_equal(got, ref)
     return (f"{verdict.split(' ')[0]} ({'lean' if path == 'lean' else 'HF'})",
-            f"load_quantized loads + generates on the {path}; vs the fake-quant student's HF forward: {verdict}")
+            f"load_served loads + generates on the {path}; vs the fake-quant student's HF forward: {verdict}")
 
 
 def skip_cell(export: str | None, prompts) -> str:
     from inference.engine import Engine, EngineConfig
-    from models.loading import load_pretrained
-    from models.skipper import find_skipper, load_skipper
+    from inference.serving import ServeOptions, load_served
 
     if export is None:
         return "no export", "the skipper run exported nothing"
-    found = find_skipper(export)
-    if found is None:
-        return "FAILS", "the export has no skipper/ dir"
     try:
-        model, _ = load_pretrained(export)
-        model.eval()
-        load_skipper(model, found)
+        server = load_served(export, ServeOptions(skip_mode="routed"))
     except Exception as err:  # noqa: BLE001 -- the skipper run exported this dir: not loading it is a failure
-        return failed(err, "load")
-    engine = Engine(model, EngineConfig(skip_mode="routed"))
-    routed = tokens(engine.generate(prompts, greedy_params()))
+        return failed(err, "load_served")
+    if server.skipper is None:
+        return "FAILS", "the export's manifest names no skipper"
+    model, engine = server.model, server.engine
+    routed = tokens(server.generate(prompts, greedy_params()))
     if not engine.lean_active():
         if not all(routed):
             return "FAILS", "generated nothing (HF forward with the skipper)"
         return "yes (HF)", "served by the HF forward with the skipper's routed layers (the lean path cannot run it)"
-    ratio = engine.route.stats.skip_ratio() if getattr(engine.route, "stats", None) is not None else float("nan")
+    ratio = server.stats.skip_ratio()
     masked = tokens(Engine(model, EngineConfig(skip_mode="masked")).generate(prompts, greedy_params()))
     hf = tokens(Engine(model, EngineConfig(use_lean=False)).generate(prompts, greedy_params()))
     a, b = rows_equal(routed, masked), rows_equal(routed, hf)
@@ -490,7 +485,7 @@ def main(argv=None) -> int:
         "engine: Engine greedy on a padded batch of 4 prompts vs HF `generate` per prompt (backend in brackets);",
         "lean: `lean_unsupported_reason` and, when None, the lean decoder vs HF; seed-spec: speculative `seed`",
         "serving of the SEED run's export vs the Engine on it (the base model when no export); low-bit: the QAD",
-        "run's export through `load_quantized` vs the trained fake-quant student's HF forward; skip: the skipper",
+        "run's export through `load_served` vs the trained fake-quant student's HF forward; skip: the skipper",
         "run's export served with its skipper; pic: `PICEngine` full-prefill mode (and pic mode at one artifact)",
         "vs the Engine.",
         "",
