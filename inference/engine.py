@@ -24,11 +24,14 @@ The four seams, each a named place a later fast path plugs in without a second c
                     `speculative.SpeculativeMode` drafts and verifies. Preamble and stopping
                     (`rollout.StopRule`) exist once, in this loop.
   (2) linear op     `lean.Projection` / `lean.LinearOp`: every projection of the lean forward is
-                    a callable read from the weights (`lean.read_weights(..., linear=...)`; today
-                    F.linear on full-precision weights, `lowbit.lowbit_linear` -- integer GEMMs --
-                    on the LowBitLinear modules of a quantized export).
-  (3) routing       `lean.Route`, asked per layer in `lean.run_layers` which rows run the layer
-                    body; the default `lean.dense` runs all rows through every layer.
+                    a callable read from the weights, its op looked up from the module's type in
+                    the linear registry (`lean.register_linear`: F.linear on full-precision
+                    weights; `lowbit.py` registers `lowbit_linear` -- integer GEMMs -- for the
+                    LowBitLinear modules of a quantized export and training's FakeQuantLinear).
+  (3) routing       `lean.Route`, run per layer by `lean.run_layers`; the base `lean.dense` runs
+                    all rows through every layer, and a model that needs another route gets it from
+                    the route registry (`lean.register_route`; `skip_routing.py` registers the
+                    layer skipper's).
   (4) cache         `lean.KVCache`: the forward writes K/V only through `KVCache.write(layer,
                     start, k, v)` and reads through `KVCache.read`, so K/V from elsewhere can be
                     written into slots before a prefill of only the new tokens.
@@ -48,6 +51,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import torch
 from torch import nn
 
+from inference import lowbit  # noqa: F401 -- registers the low-bit linear kinds (seam 2)
 from inference.hf_backend import HFBackend
 from inference.lean import (
     EAGER, LeanBackend, Rope, compiled_blocks, lean_unsupported_reason, read_dims, rope_tables,
@@ -269,6 +273,7 @@ class Engine:
         self._rope: Rope | None = None  # RoPE tables, reused across calls while still valid
         self.route = None  # the last lean call's route (seam 3)
         self.skip_stats = skip_stats if skip_stats is not None else SkipStats()
+        self.skip_timings: dict = {}  # the skip route's cost-gate timings, measured once per shape for this engine
 
     def _require_lean(self) -> None:
         reason = lean_unsupported_reason(self.model)
@@ -290,7 +295,7 @@ class Engine:
         self._rope = rope_tables(self.model, max_len, self._rope)
         blocks = compiled_blocks() if self.compile else EAGER
         backend = LeanBackend(self.model, dims, self._rope, batch, max_len, blocks,
-                              route=route_for(self.model, self.config.skip_mode, self.skip_stats))
+                              route=route_for(self.model, self.config.skip_mode, self.skip_stats, self.skip_timings))
         self.route = backend.route
         return backend
 

@@ -8,9 +8,10 @@ What it supports (anything else falls back to the HF path in `hf_backend.py`):
   RMSNorm pre-norm decoder layers, default RoPE (`config.rope_parameters["rope_theta"]`, no
   scaling), GQA, SiLU-gated MLP, optional q/k/v/o/MLP biases (Qwen2, Llama `attention_bias`),
   optional per-head q/k RMSNorm (Qwen3), tied or untied lm_head, full attention only, and
-  projections that are plain `torch.nn.Linear`, `lowbit.LowBitLinear` (real low-bit weights) or
-  training's `models.quant.FakeQuantLinear` (run with the same low-bit op, from integers taken
-  from its live weights); any other Linear subclass (LoRA) must run its own forward.
+  projections whose module type has a registered linear kind (`register_linear`): plain
+  `torch.nn.Linear` here; `lowbit.py` registers `LowBitLinear` (real low-bit weights) and training's
+  `models.quant.FakeQuantLinear` (the same low-bit op, from integers taken from its live weights).
+  Any other Linear subclass (LoRA) must run its own forward.
 
 Weights are read by reference from the model at the start of each `generate` call; the fused
 q|k|v and gate|up matrices built from them live only for that call, so weight updates between
@@ -22,13 +23,15 @@ live rows, so dropping finished rows is an in-place gather of the used prefix (n
 Three of the engine's seams (see `engine.py`) live here, each a named place a later fast path plugs
 into without touching the layer math:
   linear op     every projection (fused q|k|v, o, fused gate|up, down, lm_head) is a `Projection`:
-                weights read from the model plus the `LinearOp` that applies them. `read_weights`
-                takes the op of the float projections (default `FULL_PRECISION` = F.linear); a
-                projection built from `LowBitLinear` modules holds their `LowBitWeights` (q|k|v
-                and gate|up fused by concatenating integers and scales when the modules share a
-                scheme) and runs `lowbit.lowbit_linear`, the integer GEMM (see `_projection`).
-  routing       `run_layers` asks a `Route` per layer which rows run the layer body; the default
-                `dense` says all of them (None). A layer-skipper would answer with a row subset.
+                weights read from the model plus the `LinearOp` that applies them, both looked up
+                from the module's type in the linear registry (`register_linear`, `LinearKind`).
+                `read_weights` takes the op of the float projections (default `FULL_PRECISION` =
+                F.linear). Modules of one kind and key (e.g. low-bit weights of one scheme) are
+                fused for q|k|v and gate|up; otherwise each runs alone (see `_projection`).
+  routing       `run_layers` runs each layer through a `Route` (attach / begin / call); the base
+                `Route` runs every row through the whole layer (`dense`). A model that needs
+                another route gets it from the route registry (`register_route`, `RouteKind`):
+                `skip_routing.py` registers the layer skipper's.
   cache         `KVCache` owns the K/V buffer and the key mask; the forward writes through
                 `KVCache.write(layer, start, k, v)` and reads through `KVCache.read`, so K/V known
                 from elsewhere (e.g. a shared prefix) can be written into slots before a prefill
@@ -45,8 +48,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference.lowbit import LowBitLinear, LowBitWeights, lowbit_linear
-from models.quant import FakeQuantLinear, pack_int4, quantize_weight
 
 # HF class name -> whether its attention applies per-head q/k RMSNorm.
 LEAN_ARCHITECTURES = {"Qwen3ForCausalLM": True, "Qwen2ForCausalLM": False, "LlamaForCausalLM": False}
@@ -90,17 +91,9 @@ def _config_reason(model: nn.Module) -> str | None:
     return None
 
 
-# The projection modules the lean forward reads weights from (exact types, not subclasses), and
-# those it runs with the low-bit op: a quantized export's LowBitLinear, and training's
-# FakeQuantLinear, whose integers and scales are taken from its live weights at each call (so the
-# trainer's eval of a fake-quant student runs exactly what its export will serve).
-LEAN_LINEARS = (nn.Linear, LowBitLinear, FakeQuantLinear)
-LOW_BIT = (LowBitLinear, FakeQuantLinear)
-
-
 def _module_reason(model: nn.Module) -> str | None:
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and type(module) not in LEAN_LINEARS:
+        if isinstance(module, nn.Linear) and type(module) not in LINEAR_KINDS:
             return f"{name} is a {type(module).__name__}, not a plain torch.nn.Linear"
         if module._forward_hooks or module._forward_pre_hooks:
             return f"{name or 'model'} has forward hooks the lean path would skip"
@@ -114,25 +107,13 @@ def _module_reason(model: nn.Module) -> str | None:
         expected += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
         expected += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     for module in expected:
-        if type(module) not in LEAN_LINEARS:
+        if type(module) not in LINEAR_KINDS:
             return f"{type(module).__name__} where a plain Linear or a low-bit linear was expected"
-    return _skipper_reason(model) or _norm_reason(model)
-
-
-def _skipper_layers(model: nn.Module) -> tuple[int, ...]:
-    """The routed layers of a layer-skipper model (`models.skipper`), () without one."""
-    state = getattr(model, "skipper_state", None)
-    return tuple(state.spec.layers) if state is not None else ()
-
-
-def _skipper_reason(model: nn.Module) -> str | None:
-    from models.skipper import Adapter, Router
-
-    for i in _skipper_layers(model):
-        skipper = getattr(model.model.layers[i], "skipper", None)
-        if skipper is None or type(skipper.router) is not Router or type(skipper.adapter) is not Adapter:
-            return f"layer {i} is routed by the skipper but has no plain router and adapter"
-    return None
+    for kind in ROUTE_KINDS:
+        reason = kind.unsupported(model)
+        if reason is not None:
+            return reason
+    return _norm_reason(model)
 
 
 def _norm_reason(model: nn.Module) -> str | None:
@@ -213,7 +194,7 @@ class LayerWeights:
     post_norm: torch.Tensor  # (C,)
     gate_up: Projection  # (2 I, C) fused gate|up projection
     down: Projection  # (C, I)
-    skip: Any = None  # skip_routing.SkipWeights at a layer-skipper's routed layer, else None
+    extra: Any = None  # what a route's `attach` adds for this layer (a skip route: its SkipWeights)
 
 
 @dataclass
@@ -222,6 +203,32 @@ class Weights:
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # (C,)
     lm_head: Projection  # (V, C)
+
+
+@dataclass(frozen=True)
+class LinearKind:
+    """How the lean forward runs projections of one module type (seam 2).
+
+    operand(module): what the op reads in the weight slot (a float (out, in) tensor, LowBitWeights, ...);
+    op: the LinearOp that applies it (None: the float op `read_weights` is given, F.linear by default);
+    fuse(operands): one operand for modules concatenated along the output axis (q|k|v, gate|up);
+    key(module): modules fuse only when their keys are equal (e.g. ("lowbit", scheme)), across kinds too.
+    """
+
+    operand: Callable[[nn.Module], Any]
+    op: Optional[LinearOp] = None
+    fuse: Callable[[list], Any] = torch.cat
+    key: Callable[[nn.Module], Any] = lambda module: "float"
+
+
+# The linear registry: module type (exact, not subclasses) -> its kind. Filled when the modules that
+# define fast paths are imported (`lowbit.py`), never changed afterwards.
+LINEAR_KINDS: dict[type, LinearKind] = {nn.Linear: LinearKind(operand=lambda module: module.weight.detach())}
+
+
+def register_linear(module_type: type, kind: LinearKind) -> None:
+    """Run projections of `module_type` with `kind` (one registration per fast path's module)."""
+    LINEAR_KINDS[module_type] = kind
 
 
 def _cat_bias(*linears: nn.Module) -> torch.Tensor | None:
@@ -240,29 +247,18 @@ def _concat(x: torch.Tensor, parts: list[Projection], bias: torch.Tensor | None)
 def _projection(linear: LinearOp, *modules: nn.Module) -> Projection:
     """The projection of `modules` fused along the output axis (one module: its own weights).
 
-    Plain nn.Linear modules: their float weights under `linear`. LowBitLinear modules of one
-    scheme: their integers and scales concatenated (`LowBitWeights.cat`) under `lowbit_linear`.
-    A mix (float and low-bit, or two schemes): each module its own projection, outputs concatenated.
+    Each module's kind comes from the linear registry. Modules whose keys are equal (plain floats;
+    low-bit weights of one scheme) are fused: their operands concatenated by the kind's `fuse`, run
+    by its op (`linear` for a kind without its own op). Otherwise each module is its own projection
+    and the outputs are concatenated.
     """
-    lowbit = [isinstance(m, LOW_BIT) for m in modules]
-    if not any(lowbit):
-        weight = modules[0].weight if len(modules) == 1 else torch.cat([m.weight for m in modules])
-        return Projection(weight.detach(), _detach(_cat_bias(*modules)), linear)
-    if all(lowbit) and len({m.scheme for m in modules}) == 1:
-        weights = LowBitWeights.cat([_lowbit_weights(m) for m in modules])
-        return Projection(weights, _detach(_cat_bias(*modules)), lowbit_linear)
-    return Projection([_projection(linear, m) for m in modules], None, _concat)
-
-
-def _lowbit_weights(module: nn.Module) -> LowBitWeights:
-    """The low-bit op's operands of a LowBitLinear (stored), or of a FakeQuantLinear (quantized now
-    from its live weights by `models.quant.quantize_weight`, the integers its own forward uses)."""
-    if isinstance(module, LowBitLinear):
-        return module.weights()
-    s = module.scheme
-    q, scale = quantize_weight(module.weight.detach(), s.weight_bits, s.group_size)
-    packed = pack_int4(q) if s.weight_bits == 4 and q.is_cuda else None  # the Triton kernel reads packed words
-    return LowBitWeights(q, scale, s, packed)
+    kinds = [LINEAR_KINDS[type(m)] for m in modules]
+    if len({kind.key(m) for kind, m in zip(kinds, modules)}) > 1:
+        return Projection([_projection(linear, m) for m in modules], None, _concat)
+    kind = kinds[0]
+    operands = [k.operand(m) for k, m in zip(kinds, modules)]
+    operand = operands[0] if len(operands) == 1 else kind.fuse(operands)
+    return Projection(operand, _detach(_cat_bias(*modules)), kind.op or linear)
 
 
 def _layer_weights(layer: nn.Module, dims: Dims, linear: LinearOp) -> LayerWeights:
@@ -289,8 +285,8 @@ def _detach(tensor: torch.Tensor | None) -> torch.Tensor | None:
 
 def read_weights(model: nn.Module, dims: Dims, linear: LinearOp = FULL_PRECISION) -> Weights:
     """Reference the live weights (fusing q|k|v and gate|up for this call only); every float
-    projection, lm_head included, applies them with `linear`; LowBitLinear ones with `lowbit_linear`.
-    (A skip route fills `LayerWeights.skip` of a layer-skipper's routed layers: `SkipRoute.attach`.)"""
+    projection, lm_head included, applies them with `linear`; other kinds with their registered op.
+    (A route's `attach` may add to them: a skip route fills `LayerWeights.extra` of its routed layers.)"""
     return Weights(
         embed=model.model.embed_tokens.weight.detach(),
         layers=[_layer_weights(layer, dims, linear) for layer in model.model.layers],
@@ -498,25 +494,76 @@ class KVCache:
 
 
 def decoder_layer(x, w: LayerWeights, dims: Dims, blocks: Blocks, rope_rows, cache: KVCache, layer: int,
-                  slot: int, mask):
-    """One pre-norm block on new tokens written at slots [slot, slot + T). x: (n, T, C) -> (n, T, C)."""
-    q, k, v = blocks.inputs(x, w, dims, *rope_rows)  # (n, T, H, D), (n, T, H_kv, D), (n, T, H_kv, D)
-    cache.write(layer, slot, k, v)
-    keys, values = cache.read(layer, slot + x.shape[1])  # (n, H_kv, S, D) each
+                  slot: int, mask, *, h: torch.Tensor | None = None, mlp_scale: torch.Tensor | None = None,
+                  rows: torch.Tensor | None = None):
+    """One pre-norm block on new tokens written at slots [slot, slot + T). x: (n, T, C) -> (n, T, C).
+
+    A route may pass `h` (x already normed), `mlp_scale` (n, T) multiplying the MLP's output per token,
+    and `rows` (indices of the cache's live rows that x holds: K/V written and read for those only)."""
+    if h is None and mlp_scale is None and rows is None:  # the plain layer: the two (compilable) halves
+        q, k, v = blocks.inputs(x, w, dims, *rope_rows)  # (n, T, H, D), (n, T, H_kv, D), (n, T, H_kv, D)
+    else:
+        q, k, v = project_qkv(rms_norm(x, w.input_norm, dims.eps) if h is None else h, w, dims, *rope_rows)
+    end = slot + x.shape[1]
+    if rows is None:
+        cache.write(layer, slot, k, v)
+        keys, values = cache.read(layer, end)  # (n, H_kv, S, D) each
+    else:
+        cache.write_rows(layer, slot, rows, k, v)
+        keys, values = cache.read_rows(layer, end, rows)
     attn = _attend(q, keys, values, mask, dims)  # (n, T, H D)
-    return blocks.output_and_mlp(x, attn, w, dims)  # (n, T, C)
+    if mlp_scale is None:
+        return blocks.output_and_mlp(x, attn, w, dims)  # (n, T, C)
+    after = x + w.o(attn)
+    return after + mlp_scale.to(x.dtype)[..., None] * mlp_block(after, w, dims)
 
 
-# Seam 3, per-layer routing: the callable that runs each layer,
-# (layer, x (n, T, C), LayerWeights, dims, blocks, rope rows, cache, slot, mask) -> (n, T, C).
-# `dense` runs every row through the whole layer; `skip_routing.SkipRoute` runs a layer-skipper's
-# routed layers (rows that run gathered, the others only K/V + adapter) and the rest densely.
-Route = Callable[..., torch.Tensor]
+class Route:
+    """Seam 3, per-layer routing: how each layer runs, asked by `run_layers` for every layer.
+
+    This base runs every row through the whole layer (`dense`). A fast path's route overrides
+    `__call__` and, where it needs them, `attach` (the weights just read for a call: add what the
+    route's layers need) and `begin` (before a multi-token forward: which tokens are real)."""
+
+    def attach(self, model: nn.Module, weights: "Weights", dims: Dims) -> None:
+        pass
+
+    def begin(self, valid: torch.Tensor) -> None:
+        pass
+
+    def __call__(self, layer: int, x, w: LayerWeights, dims: Dims, blocks: Blocks, rope_rows, cache: KVCache,
+                 slot: int, mask) -> torch.Tensor:
+        return decoder_layer(x, w, dims, blocks, rope_rows, cache, layer, slot, mask)
 
 
-def dense(layer: int, x, w: LayerWeights, dims: Dims, blocks: Blocks, rope_rows, cache: KVCache, slot: int, mask):
-    """Every row runs the whole layer (a routed layer's skipper, if any, is ignored)."""
-    return decoder_layer(x, w, dims, blocks, rope_rows, cache, layer, slot, mask)
+dense = Route()
+
+
+@dataclass(frozen=True)
+class RouteKind:
+    """A route some models need (seam 3): `route(model)` builds it for a model that needs it (None
+    otherwise); `unsupported(model)` says why the lean path cannot run such a model (None: it can)."""
+
+    route: Callable[[nn.Module], Optional[Route]]
+    unsupported: Callable[[nn.Module], Optional[str]] = lambda model: None
+
+
+# The route registry, filled when the modules that define routes are imported (`skip_routing.py`),
+# never changed afterwards.
+ROUTE_KINDS: list[RouteKind] = []
+
+
+def register_route(kind: RouteKind) -> None:
+    ROUTE_KINDS.append(kind)
+
+
+def model_route(model: nn.Module) -> Route:
+    """The route `model` needs: the first registered kind that builds one, else `dense`."""
+    for kind in ROUTE_KINDS:
+        route = kind.route(model)
+        if route is not None:
+            return route
+    return dense
 
 
 def run_layers(x, layers: Iterable[int], weights: Weights, dims: Dims, blocks: Blocks, rope_rows,
@@ -592,23 +639,17 @@ def sparse_prefill(x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
 class LeanBackend:
     """The lean decoder's state for one `generate` call: weights, KV cache, key mask.
 
-    linear: the op of every float projection (seam 2; low-bit ones run `lowbit_linear`);
-    route: per-layer routing (seam 3); None = `dense`. A layer-skipper model needs a skip route
-    (`skip_routing.route_for(model, mode)`); a route with an `attach(model, weights, dims)` method
-    is handed the weights read here (a skip route adds each routed layer's skip weights).
+    linear: the op of every float projection (seam 2; other kinds run their registered op);
+    route: per-layer routing (seam 3); None = the one the model needs (`model_route`: its registered
+    route, e.g. a layer skipper's, else `dense`). The route is handed the weights read here
+    (`Route.attach`) and told which prompt tokens are real before a prefill (`Route.begin`).
     """
 
     def __init__(self, model: nn.Module, dims: Dims, rope: Rope, batch: int, max_len: int,
                  blocks: Blocks = EAGER, linear: LinearOp = FULL_PRECISION, route: Route | None = None):
         self.weights = read_weights(model, dims, linear)
-        if route is None:
-            if _skipper_layers(model):
-                raise ValueError("the model has a layer skipper: pass route=inference.skip_routing.route_for(model) "
-                                 "(dense execution would silently serve the base)")
-            route = dense
-        attach = getattr(route, "attach", None)
-        if attach is not None:
-            attach(model, self.weights, dims)
+        route = model_route(model) if route is None else route
+        route.attach(model, self.weights, dims)
         self.dims, self.rope, self.blocks, self.route = dims, rope, blocks, route
         self.cache = KVCache(dims, batch, max_len, self.weights.embed.dtype, self.weights.embed.device)
         self.padded = False
@@ -638,8 +679,7 @@ class LeanBackend:
             diag = torch.eye(P, dtype=torch.bool, device=ids.device)
             # Pad queries see only themselves, so no softmax row is empty (their output is unused).
             mask = (causal & self.key_ok[:, :, :, :P]) | diag  # (B, 1, P, P)
-        if hasattr(self.route, "valid"):  # a skip route counts real prompt tokens only
-            self.route.valid = valid
+        self.route.begin(valid)
         logits = forward(self.weights, self.dims, self.blocks, self.rope, ids, positions, self.cache, 0, mask,
                          self.route)
         self.slot = P

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from inference.lean import LinearKind, register_linear
 from models.anatomy import causal_lm
 from models.quant import (
     DEFAULT_KEEP, FakeQuantLinear, QuantScheme, dequantize_weight, int_range, pack_int4, quant_targets,
@@ -358,3 +359,27 @@ def to_lowbit(model: nn.Module, scheme: QuantScheme | None = None, keep: Sequenc
 def lowbit_modules(model: nn.Module) -> dict[str, LowBitLinear]:
     """name -> LowBitLinear of a converted model (names relative to the causal LM)."""
     return {n: m for n, m in causal_lm(model).named_modules() if isinstance(m, LowBitLinear)}
+
+
+# ----------------------------------------------------------------------------- the lean decoder's linear op
+
+
+def _fake_quant_weights(module: FakeQuantLinear) -> LowBitWeights:
+    """The low-bit op's operands of training's FakeQuantLinear, quantized now from its live weights by
+    `models.quant.quantize_weight` (the integers its own forward uses), so the trainer's eval of a
+    fake-quant student runs exactly what its export will serve."""
+    s = module.scheme
+    q, scale = quantize_weight(module.weight.detach(), s.weight_bits, s.group_size)
+    packed = pack_int4(q) if s.weight_bits == 4 and q.is_cuda else None  # the Triton kernel reads packed words
+    return LowBitWeights(q, scale, s, packed)
+
+
+def _lowbit_key(module) -> tuple:
+    return ("lowbit", module.scheme)  # stored and fake-quant weights of one scheme fuse together
+
+
+# Seam 2: projections of these module types run the integer GEMM (`lean.register_linear`).
+register_linear(LowBitLinear, LinearKind(operand=LowBitLinear.weights, op=lowbit_linear, fuse=LowBitWeights.cat,
+                                         key=_lowbit_key))
+register_linear(FakeQuantLinear, LinearKind(operand=_fake_quant_weights, op=lowbit_linear, fuse=LowBitWeights.cat,
+                                            key=_lowbit_key))

@@ -27,6 +27,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ ADAPTER_CONFIG = "adapter_config.json"  # what marks a PEFT adapter dir
 MODEL_CONFIG = "config.json"
 # The artifact-cache settings an Attuner export is served with: the cache is encoded by the base, the
 # adapter runs on the query and generated tokens only, and the context is read over the cache.
-ATTUNER_CACHE = {"mode": "pic", "adapter_on": "query"}
+ATTUNER_CACHE = MappingProxyType({"mode": "pic", "adapter_on": "query"})
 
 
 class ServingError(ValueError):

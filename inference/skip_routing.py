@@ -33,9 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference.lean import (
-    Projection, _attend, _projection, apply_rope, decoder_layer, mlp_block, project_qkv, rms_norm,
-)
+from inference.lean import Projection, Route, RouteKind, _projection, apply_rope, decoder_layer, register_route, rms_norm
 from models.skipper import SkipperSpec, gate_scales, gate_values, router_logits
 
 MODES = ("auto", "routed", "masked")
@@ -63,11 +61,26 @@ class SkipWeights:
         return F.linear(F.silu(gate) * up, self.adapter_down)
 
 
-def route_for(model: nn.Module, mode: str = "auto", stats: Optional["SkipStats"] = None) -> Optional["SkipRoute"]:
-    """The skip route of a layer-skipper model (its spec and current force), None without one; it
-    counts into `stats` when given (an engine's, summed over its calls), else into its own."""
+def route_for(model: nn.Module, mode: str = "auto", stats: Optional["SkipStats"] = None,
+              timings: Optional[dict] = None) -> Optional["SkipRoute"]:
+    """The skip route of a layer-skipper model (its spec and current force), None without one. It
+    counts into `stats` and keeps the cost gate's timings in `timings` when given (an engine's, kept
+    over its calls), else in its own."""
     state = getattr(model, "skipper_state", None)
-    return None if state is None else SkipRoute(state.spec, mode, state.force, stats)
+    return None if state is None else SkipRoute(state.spec, mode, state.force, stats, timings)
+
+
+def skipper_unsupported(model: nn.Module) -> Optional[str]:
+    """Why the lean path cannot route `model`'s skipper (a routed layer without a plain router and
+    adapter), None when it can or the model has no skipper."""
+    from models.skipper import Adapter, Router
+
+    state = getattr(model, "skipper_state", None)
+    for i in state.spec.layers if state is not None else ():
+        skipper = getattr(model.model.layers[i], "skipper", None)
+        if skipper is None or type(skipper.router) is not Router or type(skipper.adapter) is not Adapter:
+            return f"layer {i} is routed by the skipper but has no plain router and adapter"
+    return None
 
 
 def skip_weights(layer: nn.Module, qkv, dims) -> SkipWeights:
@@ -137,18 +150,19 @@ class CostGate:
     model shape and batch size: the masked layer (every row runs everything) against the routed
     layer with none and with all of the rows running (interpolated linearly in between). A step
     routes when its number of running rows is at most the break-even count. Timings are taken on
-    scratch inputs with the layer's real weights and cached for the process (`_MEASURED`)."""
+    scratch inputs with the layer's real weights and kept in `timings` (an engine's dict, so they
+    last as long as the engine; a fresh one per route otherwise): no process-wide cache."""
 
-    def __init__(self):
-        self.decisions: dict[tuple[int, bool], int] = {}
+    def __init__(self, timings: Optional[dict] = None):
+        self.timings = timings if timings is not None else {}
 
     def break_even(self, route: "SkipRoute", layer: int, x: torch.Tensor, w, dims, rope_rows, cache, slot: int,
                    mask) -> float:
         n = x.shape[0]
         key = (_shape_key(w, dims, x), n, slot // 64)
-        if key not in _MEASURED:
-            _MEASURED[key] = self._measure(route, layer, x, w, dims, rope_rows, cache, slot, mask)
-        return _MEASURED[key]
+        if key not in self.timings:
+            self.timings[key] = self._measure(route, layer, x, w, dims, rope_rows, cache, slot, mask)
+        return self.timings[key]
 
     @staticmethod
     def _measure(route, layer, x, w, dims, rope_rows, cache, slot, mask) -> float:
@@ -174,41 +188,41 @@ class CostGate:
         return _break_even(t_masked, t_none, t_all, n)
 
 
-_MEASURED: dict[tuple, float] = {}
-
-
 def _shape_key(w, dims, x) -> tuple:
     qkv = w.qkv.weight
     return (x.shape[-1], dims.heads, dims.kv_heads, dims.head_dim, tuple(getattr(qkv, "shape", ())),
-            w.skip.adapter_down.shape[-1], str(x.dtype), str(x.device))
+            w.extra.adapter_down.shape[-1], str(x.dtype), str(x.device))
 
 
 # ----------------------------------------------------------------------------- the route
 
 
-class SkipRoute:
+class SkipRoute(Route):
     """The lean forward's routing for a skipper model: called for every layer, it runs a routed
     layer per `mode` and the others densely. `force` ("run" / "skip" / None) overrides the routers
     as `models.skipper.forced` does in training. `valid` (n, T) marks real tokens of the next
-    multi-token forward (for the statistics); the backend sets it before a padded prefill."""
+    multi-token forward (for the statistics); the backend sets it before a prefill (`begin`)."""
 
     def __init__(self, spec: SkipperSpec, mode: str = "auto", force: Optional[str] = None,
-                 stats: Optional[SkipStats] = None):
+                 stats: Optional[SkipStats] = None, timings: Optional[dict] = None):
         if mode not in MODES:
             raise ValueError(f"skip mode {mode!r} is not one of {', '.join(MODES)}")
         self.spec, self.mode, self.force = spec, mode, force
-        self.gate = CostGate()
+        self.gate = CostGate(timings)
         self.stats = stats if stats is not None else SkipStats()
         self.valid: Optional[torch.Tensor] = None
+
+    def begin(self, valid: torch.Tensor) -> None:
+        self.valid = valid
 
     def attach(self, model: nn.Module, weights, dims) -> None:
         """Give each routed layer of the weights just read (`lean.read_weights`) its skip weights."""
         for i in self.spec.layers:
             layer = weights.layers[i]
-            layer.skip = skip_weights(model.model.layers[i], layer.qkv, dims)
+            layer.extra = skip_weights(model.model.layers[i], layer.qkv, dims)
 
     def __call__(self, layer: int, x, w, dims, blocks, rope_rows, cache, slot: int, mask):
-        if w.skip is None:
+        if w.extra is None:
             return decoder_layer(x, w, dims, blocks, rope_rows, cache, layer, slot, mask)
         n, T, _ = x.shape
         h = self._norm(x, w, dims)
@@ -229,7 +243,7 @@ class SkipRoute:
     def gates(self, layer: int, w, h: torch.Tensor) -> torch.Tensor:
         """g (n, T) fp32 of a routed layer from its normed input h (a benchmark's synthetic policy
         overrides this)."""
-        return gate_values(w.skip.logits(h), self.force)
+        return gate_values(w.extra.logits(h), self.force)
 
     def _choose(self, layer, x, w, dims, rope_rows, cache, slot, mask, running: int) -> str:
         n = x.shape[0]
@@ -258,29 +272,20 @@ class SkipRoute:
 
     @staticmethod
     def _body(x, h, w, dims, rope_rows, cache, layer, slot, mask, s_run, rows=None):
-        """The full layer on (a subset of) rows from their normed input h, MLP scaled by s_run; the
-        K/V are written for those rows only when `rows` is None (all rows)."""
-        q, k, v = project_qkv(h, w, dims, *rope_rows)
-        if rows is None:
-            cache.write(layer, slot, k, v)
-            keys, values = cache.read(layer, slot + x.shape[1])
-        else:
-            cache.write_rows(layer, slot, rows, k, v)
-            keys, values = cache.read_rows(layer, slot + x.shape[1], rows)
-        attn = _attend(q, keys, values, mask, dims)
-        after = x + w.o(attn)
-        return after + s_run.to(x.dtype)[..., None] * mlp_block(after, w, dims)
+        """The decoder layer (`lean.decoder_layer`) on (a subset of) rows from their normed input h,
+        MLP scaled by s_run; K/V written and read for `rows` only when given."""
+        return decoder_layer(x, w, dims, None, rope_rows, cache, layer, slot, mask, h=h, mlp_scale=s_run, rows=rows)
 
     def _masked(self, layer, x, h, w, dims, rope_rows, cache, slot, mask, run, s_run, s_skip):
         ran = self._body(x, h, w, dims, rope_rows, cache, layer, slot, mask, s_run)
-        skipped = x + s_skip.to(x.dtype)[..., None] * w.skip.adapter(h)
+        skipped = x + s_skip.to(x.dtype)[..., None] * w.extra.adapter(h)
         return torch.where(run[..., None], ran, skipped)
 
     def _skip_rows(self, x, h, w, dims, rope_rows, cache, layer, slot, s_skip, rows=None):
         """Skipped rows: only the K/V (written to the cache) and the adapter."""
         n, T, _ = h.shape
         D, Hk = dims.head_dim, dims.kv_heads
-        kv = w.skip.kv(h)
+        kv = w.extra.kv(h)
         k = kv[..., : Hk * D].view(n, T, Hk, D)
         v = kv[..., Hk * D:].view(n, T, Hk, D)
         if w.qk_norm is not None:
@@ -291,7 +296,7 @@ class SkipRoute:
             cache.write(layer, slot, k, v)
         else:
             cache.write_rows(layer, slot, rows, k, v)
-        return x + s_skip.to(x.dtype)[..., None] * w.skip.adapter(h)
+        return x + s_skip.to(x.dtype)[..., None] * w.extra.adapter(h)
 
     def _mixed(self, layer, x, h, w, dims, rope_rows, cache, slot, mask, run, s_run, s_skip, running: int,
                force_gather=False):
@@ -315,3 +320,7 @@ class SkipRoute:
                 pick(x, skipped), pick(h, skipped), w, dims, tuple(pick(t, skipped) for t in rope_rows), cache,
                 layer, slot, pick(s_skip, skipped), rows=skipped))
         return out
+
+
+# Seam 3: a model with a layer skipper is served through its skip route (`lean.register_route`).
+register_route(RouteKind(route=route_for, unsupported=skipper_unsupported))

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from inference import Engine, EngineConfig, SamplingParams
 from inference import lean, rollout
 from inference.artifacts import DRAFTER_DEFAULTS, SEED_DRAFTER_FILE, DrafterSpec, read_drafter_spec, write_drafter_spec
-from inference.lean import KVCache, LeanBackend, dense, read_dims, rope_tables
+from inference.lean import KVCache, LeanBackend, Route, dense, read_dims, rope_tables
 from inference.rollout import NO_TOKEN, Emitted, Rollout, StopRule
 from inference.speculative import SpeculativeDecoder
 
@@ -116,23 +116,32 @@ def test_every_projection_goes_through_the_linear_op(qwen3):
 
 
 def test_route_runs_every_layer_and_dense_changes_nothing(qwen3):
-    seen = []
+    seen, attached, begun = [], [], []
 
-    def dense_recording(layer, x, *rest):
-        seen.append((layer, tuple(x.shape)))
-        return dense(layer, x, *rest)
+    class DenseRecording(Route):
+        def attach(self, model, weights, dims):
+            attached.append(len(weights.layers))
+
+        def begin(self, valid):
+            begun.append(tuple(valid.shape))
+
+        def __call__(self, layer, x, *rest):
+            seen.append((layer, tuple(x.shape)))
+            return dense(layer, x, *rest)
 
     ids = torch.tensor([[5, 9, 11, 3, 7]])
-    got = prefill_and_decode(backend(qwen3, 1, 8, route=dense_recording), ids)
+    got = prefill_and_decode(backend(qwen3, 1, 8, route=DenseRecording()), ids)
     for a, b in zip(got, prefill_and_decode(backend(qwen3, 1, 8), ids)):
         assert torch.equal(a, b)
     assert seen == [(0, (1, 4, 64)), (1, (1, 4, 64)), (0, (1, 1, 64)), (1, (1, 1, 64))]
+    assert attached == [2] and begun == [(1, 4)]  # handed the weights once, told the prompt's real tokens
 
-    def zero_layer_one(layer, x, *rest):  # a route decides what a layer computes
-        out = dense(layer, x, *rest)
-        return out * 0 if layer == 1 else out
+    class ZeroLayerOne(Route):  # a route decides what a layer computes
+        def __call__(self, layer, x, *rest):
+            out = dense(layer, x, *rest)
+            return out * 0 if layer == 1 else out
 
-    logits = prefill_and_decode(backend(qwen3, 1, 8, route=zero_layer_one), ids)
+    logits = prefill_and_decode(backend(qwen3, 1, 8, route=ZeroLayerOne()), ids)
     assert not torch.equal(logits[0], got[0])
 
 
@@ -223,3 +232,54 @@ def test_drafter_spec_write_read(tmp_path):
     # Older files without draft_len drafted one training block; unknown keys are ignored.
     path.write_text(json.dumps({"block_size": 6, "from_the_future": 1}))
     assert read_drafter_spec(tmp_path) == DrafterSpec(block_size=6, draft_len=6)
+
+
+# ----------------------------------------------------------------------------- a new fast path plugs in
+
+
+def test_a_toy_linear_op_plugs_in_by_one_registration(make_model, prompts):
+    """CountingLinear (tests/inference/toy_fastpath.py) is unknown to the lean decoder until its module
+    registers it; then every projection runs its op, with the tokens of the plain model."""
+    import copy
+
+    from inference.lean import lean_unsupported_reason
+    from tests.inference import toy_fastpath
+
+    plain = make_model("qwen3")
+    toy = copy.deepcopy(plain)
+    for module in toy.modules():
+        if type(module) is torch.nn.Linear:
+            module.__class__ = toy_fastpath.CountingLinear
+    assert lean_unsupported_reason(toy) is None
+    engine = Engine(toy)
+    toy_fastpath.CALLS["linear"] = 0
+    got = engine.generate(prompts, GREEDY)
+    assert engine.lean_active() and [o.tokens for o in got] == [o.tokens for o in Engine(plain).generate(prompts, GREEDY)]
+    forwards = 1 + max(len(o.tokens) for o in got) - 1  # the prefill, then one decode per later token
+    layers = plain.config.num_hidden_layers
+    assert toy_fastpath.CALLS["linear"] == forwards * (4 * layers + 1)  # q|k|v, o, gate|up, down; lm_head
+
+
+def test_a_toy_route_plugs_in_by_one_registration(make_model, prompts):
+    """A model flagged for the toy route runs its even layers only: the same tokens as the model cut
+    down to those layers, run by the HF forward."""
+    import copy
+
+    from tests.inference import toy_fastpath
+
+    model = make_model("qwen3", num_hidden_layers=4)
+    model.config.toy_every_other = True
+    cut = copy.deepcopy(model)
+    kept = [cut.model.layers[i] for i in (0, 2)]
+    for i, layer in enumerate(kept):
+        layer.self_attn.layer_idx = i
+    cut.model.layers = torch.nn.ModuleList(kept)
+    cut.config.num_hidden_layers = 2
+    cut.config.layer_types = cut.config.layer_types[:2]
+    cut.config.toy_every_other = False
+    toy_fastpath.CALLS["layers"] = 0
+    got = [o.tokens for o in Engine(model).generate(prompts, GREEDY)]
+    assert toy_fastpath.CALLS["layers"] > 0  # the route ran
+    want = [o.tokens for o in Engine(cut, EngineConfig(use_lean=False)).generate(prompts, GREEDY)]
+    full = [o.tokens for o in Engine(make_model("qwen3", num_hidden_layers=4)).generate(prompts, GREEDY)]
+    assert got == want and got != full

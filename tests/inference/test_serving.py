@@ -268,3 +268,29 @@ def test_manifest_of_a_missing_dir_names_it(tmp_path):
 
     with pytest.raises((ServingError, ModelDirError), match=str(tmp_path / "nowhere")):
         load_served(tmp_path / "nowhere")
+
+
+def test_no_module_level_mutable_state_in_the_runtime():
+    """Statistics and timing caches live in engines and servers. At module level, inference/ holds
+    constants and the two fast-path registries (filled when the fast-path modules are imported)."""
+    import ast
+
+    from tests.conftest import ROOT
+
+    allowed = {"__all__", "_LAZY", "LEAN_ARCHITECTURES", "LINEAR_KINDS", "ROUTE_KINDS"}
+    mutable = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
+    found = []
+    for path in sorted((ROOT / "inference").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+                continue
+            value = node.value
+            call = isinstance(value, ast.Call) and ast.unparse(value.func) in ("dict", "list", "set", "defaultdict")
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if (isinstance(value, mutable) or call) and ast.unparse(target) not in allowed:
+                    found.append(f"{path.name}:{node.lineno} {ast.unparse(target)}")
+    assert not found, found
+    from inference import skip_routing
+
+    assert not hasattr(skip_routing, "SHARED_STATS") and not hasattr(skip_routing, "_MEASURED")

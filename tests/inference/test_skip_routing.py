@@ -10,7 +10,7 @@ from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 from inference import Engine, EngineConfig, SamplingParams
 from inference.engine import left_pad
 from inference.lean import KEY, VALUE, LeanBackend, read_dims, rope_tables
-from inference.skip_routing import CostGate, SkipRoute, _break_even, _MEASURED, route_for
+from inference.skip_routing import CostGate, SkipRoute, _break_even, route_for
 from models.loading import random_qwen3
 from models.skipper import apply_skipper, forced, make_spec, record_gates
 
@@ -171,20 +171,23 @@ def test_a_skipped_token_writes_its_own_layers_kv(models):
     assert checked >= 3
 
 
-def test_cost_gate_break_even_by_hand_and_measured_once_per_shape(models):
+def test_cost_gate_break_even_by_hand_and_measured_once_per_shape_per_engine(models):
     # masked 10; routed 4 with no row running, 16 with all 8 running: linear -> 8 * (10 - 4) / (16 - 4) = 4
     assert _break_even(10.0, 4.0, 16.0, 8) == 4.0
     assert _break_even(10.0, 11.0, 16.0, 8) == -1.0  # routing never pays
     assert _break_even(10.0, 4.0, 9.0, 8) == 8.0  # always pays
     _, skip = models
-    _MEASURED.clear()
-    _, engine = greedy(skip, PROMPTS, skip_mode="auto")
-    measured = dict(_MEASURED)
+    engine = Engine(skip, EngineConfig(skip_mode="auto"))
+    params = SamplingParams(max_new_tokens=12, temperature=0.0)
+    engine.generate(PROMPTS, params)
+    measured = dict(engine.skip_timings)
     assert measured and all(-1.0 <= v <= key[1] for key, v in measured.items())
-    greedy(skip, PROMPTS, skip_mode="auto")
-    assert _MEASURED == measured  # a second call measures nothing new
-    executed = engine.route.stats.executed
+    engine.generate(PROMPTS, params)
+    assert engine.skip_timings == measured  # a second call of the same engine measures nothing new
+    executed = engine.skip_stats.executed
     assert executed["routed"] + executed["masked"] > 0
+    _, other = greedy(skip, PROMPTS, skip_mode="auto")
+    assert other.skip_timings and other.skip_timings is not engine.skip_timings  # kept per engine, not per process
 
 
 def test_route_rejects_an_unknown_mode(models):
