@@ -174,9 +174,12 @@ class RolloutContext:
 
     @functools.cached_property
     def engine(self) -> Any:
-        from inference import Engine
+        """The policy behind the serving door (`inference.serving.serve_model`): its fast paths, this
+        context's engine config."""
+        from inference.engine import EngineConfig
+        from inference.serving import ServeOptions, serve_model
 
-        return Engine(self.policy, self.engine_config)
+        return serve_model(self.policy, ServeOptions(engine=self.engine_config or EngineConfig()), self.tokenizer)
 
 
 @runtime_checkable

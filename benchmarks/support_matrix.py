@@ -280,7 +280,7 @@ def skip_cell(export: str | None, prompts) -> str:
     if export is None:
         return "no export", "the skipper run exported nothing"
     try:
-        server = load_served(export, ServeOptions(skip_mode="routed"))
+        server = load_served(export, ServeOptions(engine=EngineConfig(skip_mode="routed")))
     except Exception as err:  # noqa: BLE001 -- the skipper run exported this dir: not loading it is a failure
         return failed(err, "load_served")
     if server.skipper is None:

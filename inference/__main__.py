@@ -129,13 +129,15 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_USAGE
         return _serve_artifacts(args)
     # Imported after argument checks so `--help` and flag errors answer instantly.
+    from inference.engine import EngineConfig
     from inference.serving import ServeOptions, ServingError, load_served
     from models.prompts import ChatTemplateError
 
     options = ServeOptions(adapter=args.adapter, skipper=args.skipper, use_skipper=not args.no_skipper,
-                           skip_mode=args.skip_mode, speculative=args.speculative, drafter=args.drafter,
+                           speculative=args.speculative, drafter=args.drafter,
                            draft_len=args.draft_len, confidence=args.confidence,
-                           adaptive=False if args.fixed_draft else None, device=args.device)
+                           adaptive=False if args.fixed_draft else None, device=args.device,
+                           engine=EngineConfig(skip_mode=args.skip_mode))
     try:
         server = load_served(args.model_dir, options)
         prompt_ids = encode_cli_prompt(server.tokenizer, args.prompt, args.chat)

@@ -42,7 +42,7 @@ from inference.skip_routing import SkipStats
 from inference.speculative import MODES as SPECULATIVE_MODES, SpecStats
 
 __all__ = ["ServeOptions", "ServeStats", "Server", "ServingError", "describe", "load_served", "manifest_of",
-           "serve", "write_serving_manifest"]
+           "serve", "serve_model", "write_serving_manifest"]
 
 ADAPTER_CONFIG = "adapter_config.json"  # what marks a PEFT adapter dir
 MODEL_CONFIG = "config.json"
@@ -149,18 +149,17 @@ class ServeOptions:
     """What the user asks of an export on top of its manifest.
 
     adapter: a PEFT LoRA adapter dir merged onto the model. skipper: a skipper dir to serve on the
-    model (None: the manifest's); use_skipper=False serves the base without it. skip_mode: how
-    routed layers run (auto: the measured cost gate; routed; masked). speculative: None, "seed"
+    model (None: the manifest's); use_skipper=False serves the base without it. speculative: None, "seed"
     (the export's seed_drafter.json, or the adapter dir's) or "external" (`drafter`: a model dir
     sharing the tokenizer). draft_len / confidence / adaptive: override the drafter spec. dtype:
     the dtype full-precision weights load in (None: the one they were saved in; evaluation loads
-    float32, as training evals run). engine: max_seq_len, use_lean, compile of the engine.
+    float32, as training evals run). engine: the engine's max_seq_len, use_lean, compile and
+    skip_mode (how routed layers run: auto, the measured cost gate; routed; masked).
     """
 
     adapter: str | None = None
     skipper: str | None = None
     use_skipper: bool = True
-    skip_mode: str = "auto"
     speculative: str | None = None
     drafter: str | None = None
     draft_len: int | None = None
@@ -183,19 +182,19 @@ class ServeOptions:
 @dataclass
 class ServeStats:
     """What a Server's calls did, summed over its calls: completions, emitted tokens and seconds;
-    with a skipper, the routed layer-tokens that ran and were skipped (`skip`); with speculation,
-    verify forwards and accepted drafts (`speculative`)."""
+    the routed layer-tokens that ran and were skipped (`skip`, all zero without a skipper); with
+    speculation, verify forwards and accepted drafts (`speculative`)."""
 
     calls: int = 0
     completions: int = 0
     tokens: int = 0
     seconds: float = 0.0
-    skip: SkipStats | None = None
+    skip: SkipStats = field(default_factory=SkipStats)
     speculative: SpecStats | None = None
 
     def skip_ratio(self) -> float:
         """Skipped routed layer-tokens of the decode steps (0 without a skipper)."""
-        return self.skip.skip_ratio() if self.skip is not None else 0.0
+        return self.skip.skip_ratio()
 
     @property
     def mean_accepted(self) -> float:
@@ -210,19 +209,17 @@ class ServeStats:
 
 
 class Server:
-    """A loaded export with its fast paths, built once by `load_served`. `generate` takes what
-    `Engine.generate` takes and returns what it returns, so a Server stands wherever an Engine does;
-    `stats` sums its calls."""
+    """A model with its fast paths: an export opened by `load_served`, or a live model (a trainer's
+    policy) by `serve_model`. `generate` takes what `Engine.generate` takes and returns what it
+    returns, so a Server stands wherever an Engine does; `stats` sums its calls."""
 
-    def __init__(self, path: str, manifest: ServingManifest, model: nn.Module, tokenizer: Any,
-                 options: ServeOptions, skipper: str | None = None, drafter: nn.Module | None = None,
-                 seed_dir: str | None = None):
+    def __init__(self, model: nn.Module, tokenizer: Any, options: ServeOptions,
+                 manifest: ServingManifest | None = None, path: str | None = None, skipper: str | None = None,
+                 drafter: nn.Module | None = None, seed_dir: str | None = None):
         self.path, self.manifest, self.model, self.tokenizer = path, manifest, model, tokenizer
         self.options, self.skipper, self.drafter = options, skipper, drafter
-        self.stats = ServeStats(skip=SkipStats() if skipper is not None else None,
-                                speculative=SpecStats() if options.speculative else None)
-        self.engine = Engine(model, dataclasses.replace(options.engine, skip_mode=options.skip_mode),
-                             skip_stats=self.stats.skip)
+        self.stats = ServeStats(skip=SkipStats(), speculative=SpecStats() if options.speculative else None)
+        self.engine = Engine(model, options.engine, skip_stats=self.stats.skip)
         self.decoder = self._decoder(seed_dir) if options.speculative else None
 
     def _decoder(self, seed_dir: str | None):
@@ -235,6 +232,8 @@ class Server:
             overrides["max_seq_len"] = o.engine.max_seq_len
         try:
             if o.speculative == "seed":
+                if seed_dir is None and self.path is None:
+                    return SpeculativeDecoder(self.model, mode="seed", **overrides)  # a live model: the defaults
                 return SpeculativeDecoder.from_pretrained_dir(self.model, seed_dir or self.path, **overrides)
             return SpeculativeDecoder(self.model, mode="external", drafter=self.drafter, **overrides)
         except ValueError as err:
@@ -242,7 +241,10 @@ class Server:
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
-        return self.manifest.stop_ids
+        if self.manifest is not None:
+            return self.manifest.stop_ids
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return (eos,) if eos is not None else ()
 
     def params(self, **fields: Any) -> SamplingParams:
         """SamplingParams stopping at the export's stop ids (unless `stop_token_ids` is given)."""
@@ -293,7 +295,19 @@ def load_served(path: str | os.PathLike, options: ServeOptions | None = None) ->
         drafter_model, _ = _load_dense(options.drafter, drafter, dataclasses.replace(options, adapter=None))
     seed_dir = options.adapter if options.adapter and os.path.exists(
         os.path.join(options.adapter, SEED_DRAFTER_FILE)) else path
-    return Server(path, manifest, model, tokenizer, options, skipper, drafter_model, seed_dir)
+    return Server(model, tokenizer, options, manifest, path, skipper, drafter_model, seed_dir)
+
+
+def serve_model(model: nn.Module, options: ServeOptions | None = None, tokenizer: Any = None) -> Server:
+    """A live model behind the same door: the fast paths its modules carry (low-bit or fake-quant
+    linears, an attached skipper) run as an export's would, with `options`' engine and speculation.
+    Rollouts and the trainer's evals decode through this; it loads nothing (`adapter`, `skipper` and
+    `drafter` dirs are export options and are refused here)."""
+    options = options or ServeOptions()
+    for name in ("adapter", "skipper", "drafter"):
+        if getattr(options, name):
+            raise ServingError(f"serve_model: {name}={getattr(options, name)!r} is a directory to load: use load_served")
+    return Server(model, tokenizer, options)
 
 
 def serve(path: str | os.PathLike, prompts: list[list[int]], params: SamplingParams,

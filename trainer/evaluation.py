@@ -5,7 +5,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from inference import Engine, EngineConfig, SamplingParams
+from inference import EngineConfig, SamplingParams
+from inference.serving import ServeOptions, serve_model
 from models.prompts import prompt_ids
 from trainer.distributed import World
 
@@ -38,8 +39,8 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequen
     """
     prompt = prompt or task.prompt
     mine = list(examples)[world.rank :: world.size]
-    if generate is None and engine is None:
-        engine = Engine(model, engine_config)
+    if generate is None and engine is None:  # the model behind the serving door, as rollouts decode
+        engine = serve_model(model, ServeOptions(engine=engine_config or EngineConfig()), tokenizer)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                             stop_token_ids=(tokenizer.eos_token_id,))
     correct = steps_ok = steps_total = differs = full_marks = differs_full = capped = 0

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from inference.artifacts import SERVING_FILE, ManifestError, ServingManifest, read_manifest
+from inference.engine import EngineConfig
 from inference.serving import ServeOptions, ServingError, describe, load_served, manifest_of
 from models.tokenizer import build_char_tokenizer
 from tests.conftest import tiny_config
@@ -84,7 +85,7 @@ def test_an_export_without_a_manifest_is_described_from_its_files_and_serves(mod
     server = load_served(model_dir)
     got = _tokens(server.generate(_ids(tok), server.params(max_new_tokens=NEW, temperature=0.0)))
     assert got == _reference(AutoModelForCausalLM.from_pretrained(model_dir), tok) and any(got)
-    assert server.stats.calls == 1 and server.stats.tokens == sum(map(len, got)) and server.stats.skip is None
+    assert server.stats.calls == 1 and server.stats.tokens == sum(map(len, got)) and server.stats.skip_ratio() == 0.0
 
 
 # ----------------------------------------------------------------------------- impossible requests
@@ -226,13 +227,13 @@ def test_skipper_export(tmp_path):
     m = _check_manifest(final, "skipper")
     assert m.skipper == "skipper"
     tok = build_char_tokenizer()
-    server = load_served(final, ServeOptions(skip_mode="routed"))
+    server = load_served(final, ServeOptions(engine=EngineConfig(skip_mode="routed")))
     model, _ = load_pretrained(str(final))
     load_skipper(model, str(final / "skipper"))
     assert server.skipper == str(final / "skipper")
     assert _tokens(server.generate(_ids(tok), _greedy(tok))) == _reference(model, tok, use_lean=None)
     skip = server.stats.skip
-    assert skip is not None and sum(skip.decode_run.values()) + sum(skip.decode_skip.values()) > 0
+    assert sum(skip.decode_run.values()) + sum(skip.decode_skip.values()) > 0
     bare = load_served(final, ServeOptions(use_skipper=False))
     assert bare.skipper is None and getattr(bare.model, "skipper_state", None) is None
 

@@ -201,7 +201,7 @@ def test_bad_conversational_rows_name_the_row(tmp_path, row, message):
 
 @pytest.mark.parametrize("make_tok, chat", [(bos_tokenizer, False), (lambda: bos_tokenizer(TEMPLATE), True),
                                              (lambda: chat_tokenizer(), True), (build_char_tokenizer, False)])
-def test_training_eval_rollouts_and_cli_build_identical_prompt_ids(monkeypatch, make_tok, chat):
+def test_training_eval_rollouts_and_cli_build_identical_prompt_ids(make_tok, chat):
     import torch
 
     import trainer.evaluation as evaluation
@@ -225,15 +225,11 @@ def test_training_eval_rollouts_and_cli_build_identical_prompt_ids(monkeypatch, 
     seen = []
 
     class Recorder:
-        def __init__(self, model, config=None):
-            pass
-
         def generate(self, prompts, params):
             seen.extend(prompts)
             return [SimpleNamespace(tokens=[], finish_reason="stop") for _ in prompts]
 
-    monkeypatch.setattr(evaluation, "Engine", Recorder)
-    evaluation.evaluate(None, tok, task, examples, World(), 4)
+    evaluation.evaluate(None, tok, task, examples, World(), 4, engine=Recorder())
 
     rollouts = [encode_prompt(tok, task.prompt(ex)) for ex in examples]
     cli = [encode_cli_prompt(tok, arith.prompt(ex), None) for ex in examples]  # the user types the plain prompt
