@@ -244,9 +244,11 @@ def test_greedy_tokens_of_the_lowbit_engine_equal_the_fake_quant_hf_path(fmt, gr
     fake = fake_quantized(fmt, group)
     reference = Engine(fake, EngineConfig(use_lean=False)).generate(prompts(), GREEDY)
     lowbit = to_lowbit(copy.deepcopy(fake))
-    engine = Engine(lowbit, EngineConfig(use_lean=True))  # raises if the lean path cannot run it
-    assert engine.lean_active()
-    outs = engine.generate(prompts(), GREEDY)
+    from inference.serving import ServeOptions, serve_model
+
+    server = serve_model(lowbit, ServeOptions(engine=EngineConfig(use_lean=True)))  # through the serving door
+    assert server.engine.lean_active()  # (use_lean=True raises if the lean path cannot run it)
+    outs = server.generate(prompts(), GREEDY)
     assert [o.tokens for o in outs] == [o.tokens for o in reference]
     assert len(set(outs[0].tokens)) > 1
     if fmt.startswith("W4"):  # int4 changes this model's greedy output: the comparison can tell

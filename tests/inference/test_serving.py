@@ -131,13 +131,18 @@ def test_a_skipper_for_another_base_is_one_line(model_dir, make_model, tmp_path,
     assert err_line.startswith("error: skipper: ") and err_line.count("\n") == 1, err_line
 
 
-def test_unrunnable_weights_and_an_adapter_on_low_bit_weights_are_refused(model_dir, tmp_path):
+def test_unrunnable_weights_and_an_adapter_on_low_bit_weights_are_refused(model_dir, tmp_path, capsys):
+    from inference.__main__ import EXIT_USAGE, main
+
     # a manifest naming a weight format this runtime does not know
     bad = tmp_path / "bad"
     shutil.copytree(model_dir, bad)
     (bad / SERVING_FILE).write_text(json.dumps({"kind": "model", "weights": "fp4"}))
     with pytest.raises(ServingError, match=f"{bad / SERVING_FILE}: weights 'fp4' is not one of"):
         load_served(bad)
+    assert main([str(bad), "--prompt", "1+1="]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err == f"error: {bad / SERVING_FILE}: weights 'fp4' is not one of float32, bfloat16, float16, compressed\n"
     # a compressed-tensors config with a scheme the low-bit path cannot run
     odd = tmp_path / "odd"
     shutil.copytree(model_dir, odd)

@@ -10,6 +10,7 @@ from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 from inference import Engine, EngineConfig, SamplingParams
 from inference.engine import left_pad
 from inference.lean import KEY, VALUE, LeanBackend, read_dims, rope_tables
+from inference.serving import ServeOptions, serve_model
 from inference.skip_routing import CostGate, SkipRoute, _break_even, route_for
 from models.loading import random_qwen3
 from models.skipper import apply_skipper, forced, make_spec, record_gates
@@ -38,9 +39,10 @@ def models():
 
 
 def greedy(model, prompts, n=12, **config):
-    engine = Engine(model, EngineConfig(**config))
-    outs = engine.generate(prompts, SamplingParams(max_new_tokens=n, temperature=0.0))
-    return [list(o.tokens) for o in outs], engine
+    """Greedy tokens through the serving door (`serve_model`), and the engine that ran them."""
+    server = serve_model(model, ServeOptions(engine=EngineConfig(**config)))
+    outs = server.generate(prompts, SamplingParams(max_new_tokens=n, temperature=0.0))
+    return [list(o.tokens) for o in outs], server.engine
 
 
 def lean_logits(model, ids, steps=4, mode="auto"):
