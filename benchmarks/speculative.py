@@ -160,6 +160,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from algorithms import config_schemas
     from inference import Engine, SamplingParams
+    from inference.serving import ServeOptions, load_served
     from inference.speculative import SpeculativeDecoder
     from models.loading import load_pretrained
     from trainer.config import load_config
@@ -186,16 +187,16 @@ def main() -> None:
         print(f"held-out accuracy (n={a['n']}): deep model {b['accuracy']:.3f} -> after SEED {a['accuracy']:.3f}; "
               f"mean accepted length {b.get('seed/mean_accepted', float('nan')):.2f} -> "
               f"{a.get('seed/mean_accepted', float('nan')):.2f}", flush=True)
-    model, tok = load_pretrained(path)
+    served = load_served(path, ServeOptions(speculative="seed"))  # the SEED export through the serving door
+    model, tok = served.model, served.tokenizer
     small, _ = load_pretrained(drafter_path)
-    for m in (model, small):
-        m.eval()
+    small.eval()
     task = build_task_from(deep_cfg.data)
     held_out = list(task.test_examples())
     prompts = [tok(task.prompt(ex), add_special_tokens=False).input_ids for ex in held_out[: args.prompts]]
     eos = tok.eos_token_id
     engine = Engine(model)
-    decoders = {"seed": SpeculativeDecoder.from_pretrained_dir(model, path),
+    decoders = {"seed": served.decoder,  # configured by the export's seed_drafter.json
                 "seed_k": SpeculativeDecoder.from_pretrained_dir(model, path, adaptive=False, draft_len=args.fixed_k),
                 "external": SpeculativeDecoder(model, mode="external", drafter=small)}
     seed_cfg = decoders["seed"]
