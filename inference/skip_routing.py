@@ -22,6 +22,9 @@ are routed per token, and the dense body over all of them is one batched pass an
     route = route_for(model, mode="auto")            # None for a model without a skipper
     backend = LeanBackend(model, dims, rope, batch, max_len, route=route)   # the engine does this
     route.stats.skip_ratio()                         # share of skipped routed layer-tokens, decode
+
+The route is registered with the lean decoder (`lean.register_route`, at the end of this module),
+so a LeanBackend built without a route serves a skipper model through it (mode auto).
 """
 from __future__ import annotations
 
