@@ -35,6 +35,17 @@ def make_model():
     return build
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, make_model):
+    """A saved tiny Qwen3 with the local char tokenizer: what an export of a full model holds."""
+    from models.tokenizer import build_char_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny")
+    make_model("qwen3").save_pretrained(path)
+    build_char_tokenizer().save_pretrained(path)
+    return path
+
+
 @pytest.fixture
 def qwen3():
     return build("qwen3")

@@ -18,14 +18,6 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, make_model) -> Path:
-    path = tmp_path_factory.mktemp("tiny")
-    make_model("qwen3").save_pretrained(path)
-    build_char_tokenizer().save_pretrained(path)
-    return path
-
-
 @pytest.mark.slow  # python -m inference subprocess: 8.8 s
 def test_cli_generates_and_matches_engine(model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer

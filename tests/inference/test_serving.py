@@ -65,14 +65,6 @@ def test_manifest_round_trips_and_refuses_bad_fields_by_name(tmp_path):
         read_manifest(tmp_path)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, make_model) -> Path:
-    path = tmp_path_factory.mktemp("plain")
-    make_model("qwen3").save_pretrained(path)
-    build_char_tokenizer().save_pretrained(path)
-    return path
-
-
 def test_an_export_without_a_manifest_is_described_from_its_files_and_serves(model_dir):
     """Exports written before serving.json existed: no manifest, the same description, the same tokens."""
     from transformers import AutoModelForCausalLM
