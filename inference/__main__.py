@@ -178,31 +178,16 @@ def _serve_artifacts(args) -> int:
     import time
     import warnings
 
-    from inference.pic import ArtifactCache, PICConfig, PICEngine, PICError, PICRequest, load_query_adapter, read_artifacts
-    from inference.sampling import SamplingParams
-    from models.loading import load_pretrained
+    from inference.pic import PICConfig, PICError, PICRequest, read_artifacts
+    from inference.serving import ServeOptions, ServingError, load_served
 
     try:
         texts = read_artifacts(args.artifacts)
-    except PICError as err:
+        server = load_served(args.model_dir, ServeOptions(adapter=args.adapter, artifacts=True, device=args.device))
+    except (PICError, ServingError) as err:  # a bad artifacts file; an adapter for another base; low-bit weights
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    from inference.serving import ServingError, manifest_of
-
-    model_dir, adapter = args.model_dir, args.adapter
-    try:
-        manifest = manifest_of(model_dir)
-    except ServingError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_USAGE
-    if manifest.weights == "compressed":
-        print(f"error: {os.path.join(model_dir, 'serving.json')}: weights compressed: the artifact cache runs "
-              "full-precision weights", file=sys.stderr)
-        return EXIT_USAGE
-    if adapter is None and manifest.base is not None:  # the dir is itself an adapter: serve it over its base
-        model_dir, adapter = manifest.base, model_dir
-    model, tokenizer = load_pretrained(model_dir, manifest.weights)  # an adapter's manifest: its base's dtype
-    model = model.to(args.device).eval()
+    tokenizer, adapter = server.tokenizer, server.adapter_dir
 
     from models.prompts import ChatTemplateError, chat_parts, continuation_ids, prompt_ids, use_chat
 
@@ -218,15 +203,13 @@ def _serve_artifacts(args) -> int:
         return EXIT_USAGE
     prefix = prompt_ids(tokenizer, head + args.prefix)
     request = PICRequest.make(prefix, [ids(t) for t in texts], ids(args.prompt + tail))
-    eos = tokenizer.eos_token_id
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, stop_token_ids=(eos,) if eos is not None else ())
+    params = server.params(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                           top_k=args.top_k)
     try:
-        deltas = load_query_adapter(model, adapter) if adapter else {}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
-            cache = ArtifactCache(model, prefix=prefix)
-            engine = PICEngine(model, cache, PICConfig(mode=args.pic_mode), adapter=deltas)
+            engine = server.artifact_engine(prefix, PICConfig(mode=args.pic_mode))
+            cache = engine.cache
             start = time.perf_counter()
             cache.get_many(request.artifacts)
             encode_s = time.perf_counter() - start

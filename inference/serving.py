@@ -151,7 +151,9 @@ class ServeOptions:
     adapter: a PEFT LoRA adapter dir merged onto the model. skipper: a skipper dir to serve on the
     model (None: the manifest's); use_skipper=False serves the base without it. speculative: None, "seed"
     (the export's seed_drafter.json, or the adapter dir's) or "external" (`drafter`: a model dir
-    sharing the tokenizer). draft_len / confidence / adaptive: override the drafter spec. dtype:
+    sharing the tokenizer). draft_len / confidence / adaptive: override the drafter spec. artifacts:
+    serve over a position-independent artifact cache (`Server.artifact_engine`): the base unmerged,
+    with `adapter` -- or the export itself, an Attuner adapter -- as its query-side adapter. dtype:
     the dtype full-precision weights load in (None: the one they were saved in; evaluation loads
     float32, as training evals run). engine: the engine's max_seq_len, use_lean, compile and
     skip_mode (how routed layers run: auto, the measured cost gate; routed; masked).
@@ -165,6 +167,7 @@ class ServeOptions:
     draft_len: int | None = None
     confidence: float | None = None
     adaptive: bool | None = None
+    artifacts: bool = False
     device: str = "cpu"
     dtype: str | None = None
     trust_remote_code: bool = False
@@ -177,6 +180,8 @@ class ServeOptions:
             raise ServingError("speculative='external' needs a drafter dir")
         if self.drafter and self.speculative == "seed":
             raise ServingError("a drafter dir is only used with speculative='external'")
+        if self.artifacts and (self.speculative or self.skipper):
+            raise ServingError("artifacts does not combine with speculative decoding or a skipper")
 
 
 @dataclass
@@ -218,6 +223,8 @@ class Server:
                  drafter: nn.Module | None = None, seed_dir: str | None = None):
         self.path, self.manifest, self.model, self.tokenizer = path, manifest, model, tokenizer
         self.options, self.skipper, self.drafter = options, skipper, drafter
+        self.query_adapter: dict | None = None  # artifacts: layer -> q_proj delta of the query-side adapter
+        self.adapter_dir: str | None = None  # artifacts: where that adapter was read
         self.stats = ServeStats(skip=SkipStats(), speculative=SpecStats() if options.speculative else None)
         self.engine = Engine(model, options.engine, skip_stats=self.stats.skip)
         self.decoder = self._decoder(seed_dir) if options.speculative else None
@@ -251,8 +258,19 @@ class Server:
         fields.setdefault("stop_token_ids", self.stop_ids)
         return SamplingParams(**fields)
 
+    def artifact_engine(self, prefix: list[int] | tuple[int, ...] = (), config: Any = None):
+        """A PICEngine over a new artifact cache of this (artifacts) server's base with `prefix`, the
+        query-side adapter applied to the query and generated tokens; `config`: a pic.PICConfig."""
+        from inference.pic import ArtifactCache, PICEngine
+
+        if not self.options.artifacts:
+            raise ServingError(f"{self.path}: opened without artifacts=True: no artifact cache to serve over")
+        return PICEngine(self.model, ArtifactCache(self.model, prefix=prefix), config, adapter=self.query_adapter)
+
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  generator: torch.Generator | None = None) -> list[Completion]:
+        if self.options.artifacts:
+            raise ServingError(f"{self.path}: opened for artifacts: generate through artifact_engine(prefix)")
         start = time.perf_counter()
         if self.decoder is None:
             completions = self.engine.generate(prompts, params, generator)
@@ -276,9 +294,11 @@ def load_served(path: str | os.PathLike, options: ServeOptions | None = None) ->
     path = str(path)
     manifest = manifest_of(path)
     where = os.path.join(path, SERVING_FILE)
+    if options.artifacts:
+        return _load_for_artifacts(path, manifest, options)
     if manifest.kind == "attuner":
         raise ServingError(f"{where}: kind attuner is a query-side adapter for an artifact cache: serve it "
-                           "over its base with artifacts (python -m inference BASE --adapter DIR --artifacts ...)")
+                           "with artifacts (ServeOptions(artifacts=True); python -m inference DIR --artifacts ...)")
     drafter = _check_request(path, manifest, options)  # before any weights load
     if manifest.weights == "compressed":
         from inference.quantized import load_quantized
@@ -296,6 +316,33 @@ def load_served(path: str | os.PathLike, options: ServeOptions | None = None) ->
     seed_dir = options.adapter if options.adapter and os.path.exists(
         os.path.join(options.adapter, SEED_DRAFTER_FILE)) else path
     return Server(model, tokenizer, options, manifest, path, skipper, drafter_model, seed_dir)
+
+
+def _load_for_artifacts(path: str, manifest: ServingManifest, options: ServeOptions) -> Server:
+    """The base in full precision, unmerged, and the query-side adapter's q_proj deltas: `options.adapter`
+    over the model at `path`, or the export at `path` itself over the base its manifest names."""
+    from inference.pic import PICError, load_query_adapter
+    from models.loading import load_pretrained
+    from models.model_dir import ModelDirError
+
+    if manifest.weights == "compressed":
+        raise ServingError(f"{os.path.join(path, SERVING_FILE)}: weights compressed: the artifact cache runs "
+                           "full-precision weights")
+    base, adapter = path, options.adapter
+    if adapter is None and manifest.base is not None:  # the dir is itself an adapter: serve it over its base
+        base, adapter = manifest.base, path
+    try:
+        model, tokenizer = load_pretrained(base, options.dtype or manifest.weights, options.trust_remote_code)
+    except ModelDirError as err:
+        raise ServingError(str(err)) from None
+    model = model.to(options.device).eval()
+    try:
+        deltas = load_query_adapter(model, adapter) if adapter else {}
+    except PICError as err:
+        raise ServingError(str(err)) from None
+    server = Server(model, tokenizer, options, manifest, path)
+    server.query_adapter, server.adapter_dir = deltas, adapter
+    return server
 
 
 def serve_model(model: nn.Module, options: ServeOptions | None = None, tokenizer: Any = None) -> Server:

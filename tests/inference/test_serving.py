@@ -253,12 +253,30 @@ def test_quantized_export(tmp_path, monkeypatch):
 
 
 def test_attuner_export(tmp_path, model_dir):
-    final, _ = _train_and_export(tmp_path / "run", "attuner", "data=artifacts", "trainer.batch_size=4",
-                                 "trainer.micro_batch_size=2")
+    from inference.pic import ArtifactCache, PICConfig, PICEngine, PICRequest, load_query_adapter
+    from models.loading import load_pretrained
+
+    final, _ = _train_and_export(tmp_path / "run", "attuner", "model=hf", f"model.path={model_dir}",
+                                 "data=artifacts", "trainer.batch_size=4", "trainer.micro_batch_size=2")
     m = _check_manifest(final, "attuner")
     assert m.adapter == "attuner" and m.artifact_cache == {"mode": "pic", "adapter_on": "query"}
+    assert m.base == str(model_dir)
     with pytest.raises(ServingError, match="kind attuner is a query-side adapter for an artifact cache"):
         load_served(final)
+    # with artifacts: the base it names, unmerged, and the adapter's q deltas; the same completion as
+    # the cache and engine built by hand from the same files
+    server = load_served(final, ServeOptions(artifacts=True))
+    assert server.adapter_dir == str(final) and server.query_adapter
+    tok = build_char_tokenizer()
+    ids = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731
+    request = PICRequest.make([], [ids("[kiwo]\nda=17\n"), ids("[lema]\nda=12\n")], ids("q: kiwo da?\na: "))
+    got = server.artifact_engine((), PICConfig(mode="pic")).generate([request], _greedy(tok))
+    base, _ = load_pretrained(str(model_dir))
+    deltas = load_query_adapter(base.eval(), str(final))
+    want = PICEngine(base, ArtifactCache(base), PICConfig(mode="pic"), adapter=deltas).generate([request], _greedy(tok))
+    assert _tokens(got) == _tokens(want) and any(_tokens(got))
+    with pytest.raises(ServingError, match="opened for artifacts"):
+        server.generate(_ids(tok), _greedy(tok))
 
 
 def test_manifest_of_a_missing_dir_names_it(tmp_path):
