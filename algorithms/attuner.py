@@ -177,11 +177,11 @@ class Attuner:
         tok = ctx.tokenizer
         if self.cfg.completions == "solutions":
             return [encode(tok, ex.solution) + [tok.eos_token_id] for ex in examples]
-        from inference import Engine, SamplingParams
+        from inference import SamplingParams
 
         params = SamplingParams(max_new_tokens=ctx.max_new_tokens, temperature=0.0, stop_token_ids=(tok.eos_token_id,))
         with adapter_disabled(ctx.policy):  # the frozen base, full prefill
-            return [list(o.tokens) for o in Engine(ctx.policy, ctx.engine_config).generate(prompts, params)]
+            return [list(o.tokens) for o in ctx.engine.generate(prompts, params)]  # the policy behind the serving door
 
     @torch.no_grad()
     def teacher_states(self, policy: nn.Module, ids: Tensor, attn: Tensor) -> Tensor:

@@ -315,10 +315,12 @@ class QAD:
         tok = ctx.tokenizer
         if self.cfg.completions == "solutions":
             return [encode(tok, ex.solution) + [tok.eos_token_id] for ex in examples]
-        from inference import Engine, SamplingParams
+        from inference import EngineConfig, SamplingParams
+        from inference.serving import ServeOptions, serve_model
 
         params = SamplingParams(max_new_tokens=ctx.max_new_tokens, temperature=0.0, stop_token_ids=(tok.eos_token_id,))
-        return [list(o.tokens) for o in Engine(self._teacher(ctx.device), ctx.engine_config).generate(prompts, params)]
+        teacher = serve_model(self._teacher(ctx.device), ServeOptions(engine=ctx.engine_config or EngineConfig()))
+        return [list(o.tokens) for o in teacher.generate(prompts, params)]
 
     def _teacher(self, device: torch.device) -> nn.Module:
         assert self.teacher is not None, "prepare_model builds the teacher"

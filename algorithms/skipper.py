@@ -176,11 +176,11 @@ class Skipper:
         tok = ctx.tokenizer
         if self.cfg.completions == "solutions":
             return [encode(tok, ex.solution) + [tok.eos_token_id] for ex in examples]
-        from inference import Engine, SamplingParams
+        from inference import SamplingParams
 
         params = SamplingParams(max_new_tokens=ctx.max_new_tokens, temperature=0.0, stop_token_ids=(tok.eos_token_id,))
         with forced(ctx.policy, "run"):  # every router runs: the frozen base
-            return [list(o.tokens) for o in Engine(ctx.policy, ctx.engine_config).generate(prompts, params)]
+            return [list(o.tokens) for o in ctx.engine.generate(prompts, params)]  # the policy behind the serving door
 
     @torch.no_grad()
     def base_states(self, policy: nn.Module, ids: Tensor, attn: Tensor) -> Tensor:
@@ -245,7 +245,8 @@ class Skipper:
         forward of prompt + completion to read its routers: the share of skipped routed-layer
         decisions over the completion tokens (`skipper/skip_ratio`), per routed layer
         (`skipper/skip/<layer>`), and over all decoder layers (`skipper/layer_skip_ratio`)."""
-        from inference import Engine, SamplingParams
+        from inference import SamplingParams
+        from inference.serving import serve_model
 
         self.check_policy(model)
         lm = causal_lm(model)
@@ -255,7 +256,7 @@ class Skipper:
         was_training = lm.training
         lm.eval()
         try:
-            outs = [list(o.tokens) for o in Engine(lm).generate(prompts, params)]
+            outs = [list(o.tokens) for o in serve_model(lm).generate(prompts, params)]
             ids, attn = pad_right([p + c for p, c in zip(prompts, outs)], tokenizer.pad_token_id, device)
             sel = completion_mask(prompts, outs, ids).bool()
             with record_gates(lm) as rec:
