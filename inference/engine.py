@@ -271,6 +271,7 @@ class Engine:
         if self.use_lean:
             self._require_lean()
         self._rope: Rope | None = None  # RoPE tables, reused across calls while still valid
+        self._compiled = None  # the torch.compile'd layer halves (compile=True), built on first use
         self.route = None  # the last lean call's route (seam 3)
         self.skip_stats = skip_stats if skip_stats is not None else SkipStats()
         self.skip_timings: dict = {}  # the skip route's cost-gate timings, measured once per shape for this engine
@@ -293,7 +294,9 @@ class Engine:
             return HFBackend(self.model, batch, max_len)
         dims = read_dims(self.model)
         self._rope = rope_tables(self.model, max_len, self._rope)
-        blocks = compiled_blocks() if self.compile else EAGER
+        if self.compile and self._compiled is None:
+            self._compiled = compiled_blocks()
+        blocks = self._compiled if self.compile else EAGER
         backend = LeanBackend(self.model, dims, self._rope, batch, max_len, blocks,
                               route=route_for(self.model, self.config.skip_mode, self.skip_stats, self.skip_timings))
         self.route = backend.route

@@ -40,7 +40,6 @@ into without touching the layer math:
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, NamedTuple, Optional
 
@@ -399,9 +398,9 @@ class Blocks(NamedTuple):
 EAGER = Blocks()
 
 
-@functools.cache
 def compiled_blocks() -> Blocks:
-    """torch.compile'd halves (dynamic shapes: the batch shrinks and T differs in prefill)."""
+    """torch.compile'd halves (dynamic shapes: the batch shrinks and T differs in prefill). An engine
+    builds them once and keeps them (torch's own compile cache serves a second engine's)."""
     return Blocks(torch.compile(attention_inputs, dynamic=True),
                   torch.compile(attention_output_and_mlp, dynamic=True))
 
