@@ -44,8 +44,8 @@ from torch import Tensor, nn
 from inference.lean import LinearKind, register_linear
 from models.anatomy import causal_lm
 from models.quant import (
-    DEFAULT_KEEP, FakeQuantLinear, QuantScheme, dequantize_weight, int_range, pack_int4, quant_targets,
-    quantize_tokens, quantize_weight, token_scale, unpack_int4,
+    DEFAULT_KEEP, FakeQuantLinear, QuantScheme, dequantize_weight, fake_quant_tokens, int_range, pack_int4,
+    quant_targets, quantize_tokens, quantize_weight, token_scale, unpack_int4,
 )
 
 __all__ = ["LowBitLinear", "LowBitWeights", "int_matmul", "scaled_int_matmul", "lowbit_linear", "to_lowbit",
@@ -312,6 +312,8 @@ class LowBitLinear(nn.Module):
         return cached
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:  # a frozen low-bit base under trained modules
+            return _LowBitThrough.apply(x, self)
         return lowbit_linear(x, self.weights(), self.bias)
 
     def _apply(self, fn, recurse: bool = True):
@@ -331,6 +333,32 @@ class LowBitLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"scheme={self.scheme.name}, group_size={self.scheme.group_size}")
+
+
+class _LowBitThrough(torch.autograd.Function):
+    """The integer op's output forward; backward, the gradient with respect to x of training's
+    fake-quant linear: the stored weights de-quantized, the tokens fake-quantized
+    (`models.quant.fake_quant_tokens`: straight through the rounding, through the token scale). Nothing of the module trains; gradients
+    reach the modules below it (a layer skipper's routers trained over a low-bit base,
+    `+algo=skipper model.path=QAD_EXPORT`)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, module: "LowBitLinear") -> Tensor:
+        ctx.module = module
+        ctx.save_for_backward(x)
+        return lowbit_linear(x, module.weights(), module.bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (x,) = ctx.saved_tensors
+        module = ctx.module
+        weight = dequantize_weight(module.q, module.weight_scale).to(x.dtype)  # (out, in): the stored grid
+        bits = module.scheme.act_bits
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            out = F.linear(fake_quant_tokens(x, bits) if bits is not None else x, weight)
+            (grad_x,) = torch.autograd.grad(out, x, grad)
+        return grad_x, None
 
 
 # ----------------------------------------------------------------------------- model conversion

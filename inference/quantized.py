@@ -5,6 +5,7 @@ model whose lean forward (and HF forward) runs the integer matmuls.
 
     model, tokenizer = load_quantized("runs/qad/final")
     Engine(model).generate(prompts, params)     # lean decoder, low-bit projections
+    save_quantized(model, tokenizer, "out")     # the inverse: the stored integers and scales, as they are
 
 The checkpoint is read by `models.quant_export.read_compressed` (safetensors directly; the integers
 are exactly those the trainer's fake-quant computed), never de-quantized to full-precision weights.
@@ -16,10 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from inference.lowbit import LowBitLinear
-from models.quant_export import is_compressed, read_compressed
+from inference.lowbit import LowBitLinear, lowbit_modules
+from models.anatomy import causal_lm
+from models.quant_export import compress_layer, ct_scheme, is_compressed, plain_state, read_compressed, unquantized_linears
 
-__all__ = ["is_compressed", "load_quantized"]
+__all__ = ["is_compressed", "load_quantized", "save_quantized"]
 
 
 def load_quantized(path: str, device: str | torch.device = "cpu") -> tuple[nn.Module, Any]:
@@ -43,3 +45,35 @@ def load_quantized(path: str, device: str | torch.device = "cpu") -> tuple[nn.Mo
     if tied:
         model.tie_weights()
     return model.to(device).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def save_quantized(model: nn.Module, tokenizer: Any, out_dir: str, state: dict | None = None) -> None:
+    """A compressed-tensors checkpoint of a model whose quantized linears are LowBitLinear modules (one
+    loaded by `load_quantized`, e.g. the frozen base of a skipper trained over a QAD export): each
+    module's stored integers and scales, written by the compressed-tensors compressor exactly as they
+    are (`quant_export.compress_layer` checks it), every other tensor as in `state` (default: the
+    model's state dict; pass a filtered one to leave modules out). The config gets its
+    quantization_config back; the tokenizer is saved beside it."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    lm = causal_lm(model)
+    modules = lowbit_modules(lm)
+    schemes = {m.scheme for m in modules.values()}
+    if len(schemes) != 1:
+        raise ValueError(f"save_quantized: one low-bit scheme per model is supported, found {len(schemes)}")
+    (scheme,) = schemes
+    group = ct_scheme(scheme)
+    state = plain_state(lm) if state is None else {k: v.detach().cpu() for k, v in state.items()}
+    ignore = [n for n in unquantized_linears(lm) if f"{n}.weight" in state]
+    for name, module in modules.items():
+        for key in [k for k in state if k.startswith(f"{name}.")]:
+            del state[key]
+        if module.bias is not None:
+            state[f"{name}.bias"] = module.bias.detach().cpu()
+        state.update({f"{name}.{k}": v for k, v in compress_layer(module.q.cpu(), module.weight_scale.cpu(), group).items()})
+    qconfig = QuantizationConfig(config_groups={"group_0": group}, format=group.format, ignore=ignore,
+                                 quantization_status="compressed")
+    lm.save_pretrained(out_dir, state_dict=state)
+    ModelCompressor(quantization_config=qconfig).update_config(out_dir)
+    tokenizer.save_pretrained(out_dir)

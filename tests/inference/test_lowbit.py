@@ -3,6 +3,8 @@ packed int4 storage, the lean decoder on converted models, and the Triton int4 k
 Triton interpreter, on CPU)."""
 from __future__ import annotations
 
+import json
+
 import copy
 import importlib.util
 import subprocess
@@ -121,6 +123,43 @@ def test_weight_only_formats_equal_fake_quant_exactly(fmt, group):
     x = torch.randn(3, 64)
     with torch.no_grad():
         assert torch.equal(lowbit(x), fq(x))  # same dequantized weight, same F.linear
+
+
+@pytest.mark.parametrize("fmt,group", [("W4A8", 16), ("W8A8", 0), ("W4A16", 32)])
+def test_gradient_through_a_lowbit_linear_is_the_fake_quant_one(fmt, group):
+    """Under autograd the integer op's value comes out, and the gradient reaching x is the one training's
+    fake-quant linear gives (straight through the rounding): what a skipper over a low-bit base trains on."""
+    fq, lowbit, _ = linear_pair(fmt, group)
+    x = (torch.randn(2, 5, 64) * 3).requires_grad_()
+    x_fq = x.detach().clone().requires_grad_()
+    out = lowbit(x)
+    with torch.no_grad():
+        assert torch.equal(out, lowbit(x.detach()))  # the same value as without autograd
+    upstream = torch.randn_like(out)
+    (out * upstream).sum().backward()
+    (fq(x_fq) * upstream).sum().backward()
+    torch.testing.assert_close(x.grad, x_fq.grad, rtol=1e-5, atol=1e-5)
+    assert not any(t.requires_grad for t in lowbit.buffers())  # nothing of the low-bit module trains
+
+
+def test_save_quantized_writes_back_the_stored_integers(tmp_path):
+    """load_quantized -> save_quantized -> load_quantized keeps every integer, scale and other tensor."""
+    from inference.quantized import load_quantized, save_quantized
+    from models.quant_export import export_compressed, is_compressed
+    from models.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    model = random_qwen3(len(tok), hidden_size=64, num_layers=2, kv_heads=2, initializer_range=0.2).eval()
+    apply_fake_quant(model, QuantScheme.parse("W4A8", 16))
+    export_compressed(model, tok, str(tmp_path / "a"))
+    first, _ = load_quantized(str(tmp_path / "a"))
+    save_quantized(first, tok, str(tmp_path / "b"))
+    second, _ = load_quantized(str(tmp_path / "b"))
+    assert is_compressed(str(tmp_path / "b"))
+    a, b = first.state_dict(), second.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["quantization_config"]["ignore"] == \
+        json.loads((tmp_path / "b" / "config.json").read_text())["quantization_config"]["ignore"]
 
 
 def test_from_linear_of_a_fake_quant_linear_is_the_same_module():
