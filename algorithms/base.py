@@ -378,6 +378,9 @@ class Traits:
     tiny_lr: Optional[float] = None
     lora: bool = False  # the config has models.lora.LoRAOptions' keys (algo.lora_rank > 0: adapters only train)
     pretrained_lr: Optional[float] = None
+    # model.path may be a low-bit (compressed-tensors) export: the frozen base runs on the low-bit path and
+    # only the algorithm's new modules train (gradients pass through it as through fake quantization)
+    low_bit_base: bool = False
 
 
 def pad_right(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -73,7 +73,7 @@ COMPLETIONS = ("solutions", "base")
 class SkipperConfig:
     # lr: 3e-3 measured on the tiny default (docs/skipper.md). On a pretrained base only the new routers and
     # adapters train (the base is frozen), as with LoRA adapters: 1e-4, untuned.
-    traits: ClassVar[Traits] = Traits(tiny_lr=3e-3, pretrained_lr=1e-4)
+    traits: ClassVar[Traits] = Traits(tiny_lr=3e-3, pretrained_lr=1e-4, low_bit_base=True)
     name: str = "skipper"
     layers: list[int] = field(default_factory=list)  # routed decoder layers; [] = the upper half
     gate: str = "hard"  # hard (straight-through 0/1 decision) | soft (s_run = g, s_skip = 1 - g)
@@ -275,10 +275,19 @@ class Skipper:
     # artifacts and state
 
     def export(self, model: nn.Module, tokenizer: Any, out_dir: str) -> None:
-        """The unchanged base in HF format (no skipper keys) + tokenizer; the skipper in out_dir/skipper/."""
+        """The unchanged base (no skipper keys) + tokenizer; the skipper in out_dir/skipper/. A low-bit base
+        (model.path a QAD export) is written back as the compressed-tensors checkpoint it was, integers
+        as stored; any other in HF format."""
+        from inference.lowbit import lowbit_modules
+
         lm = causal_lm(model)
-        lm.save_pretrained(out_dir, state_dict=base_state_dict(lm))
-        tokenizer.save_pretrained(out_dir)
+        if lowbit_modules(lm):
+            from inference.quantized import save_quantized
+
+            save_quantized(lm, tokenizer, out_dir, state=base_state_dict(lm))
+        else:
+            lm.save_pretrained(out_dir, state_dict=base_state_dict(lm))
+            tokenizer.save_pretrained(out_dir)
         save_skipper(lm, os.path.join(out_dir, SKIPPER_DIR))
 
     def state_dict(self) -> dict:

@@ -406,6 +406,7 @@ def validate(cfg: TrainConfig) -> None:
     if t.resume not in ("auto", "never") and not os.path.isdir(os.path.expanduser(t.resume)):
         raise ConfigError(f"trainer.resume={t.resume}: no such checkpoint directory")
     _validate_model_path(cfg.model)
+    _validate_low_bit_base(cfg, traits)
     _validate_chat_template(cfg)
     for key in ("max_prompt_tokens", "max_length"):
         value = getattr(cfg.data, key)
@@ -469,6 +470,22 @@ def _validate_model_path(model: ModelConfig) -> None:
     looks_like_hub_id = model.path.count("/") == 1 and not model.path.startswith((".", "/", "~"))
     if not looks_like_hub_id:
         raise ConfigError(f"model.path={model.path}: no such directory")
+
+
+def _validate_low_bit_base(cfg: TrainConfig, traits) -> None:
+    """A low-bit (compressed-tensors) export as model.path: only for an algorithm that trains new modules
+    over a frozen base (its traits say `low_bit_base`), and under the single or DDP backend."""
+    from models.quant_export import is_compressed
+
+    if cfg.model.path is None or not is_compressed(os.path.expanduser(cfg.model.path)):
+        return
+    if not traits.low_bit_base:
+        raise ConfigError(f"model.path={cfg.model.path} is a low-bit (compressed-tensors) export: algo {cfg.algo.name} "
+                          "trains the base's weights, which it holds only as integers (train from the de-quantized "
+                          "copy, +algo=qad algo.export_dequantized=true writes final/dequantized/; or +algo=skipper)")
+    if cfg.backend.name in ("fsdp", "deepspeed"):
+        raise ConfigError(f"backend={cfg.backend.name}: a low-bit base (model.path={cfg.model.path}) runs under "
+                          "backend=single or backend=ddp (the sharding backends shard float parameters)")
 
 
 def _validate_chat_template(cfg: TrainConfig) -> None:

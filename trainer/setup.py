@@ -21,6 +21,7 @@ import yaml
 from algorithms import build_algorithm
 from algorithms.base import Algorithm, Capabilities, capabilities
 from models.loading import build_tiny, load_pretrained
+from models.quant_export import is_compressed
 from tasks import build_task
 from tasks import DataError
 from tasks.chat import with_chat
@@ -103,13 +104,19 @@ def model_positions(model) -> int | None:
 
 
 def load_model(m: ModelConfig, world: World):
-    """The configured model + tokenizer: a path, the tiny model at random init (`warm_start_steps=0`),
+    """The configured model + tokenizer: a path (a low-bit export loads on the low-bit path, its
+    LowBitLinear modules frozen), the tiny model at random init (`warm_start_steps=0`),
     or the warm-started tiny model from its cache entry, which the warm-start stage
     (trainer/warm_start.py, run by train.py before the session) has built. Weights load in fp32 whatever
     model.dtype says: they are the master weights, and model.dtype is the compute dtype
     (trainer/precision.py: every forward runs under its autocast)."""
     if m.path is not None:
-        return load_pretrained(os.path.expanduser(m.path), "float32", m.trust_remote_code)
+        path = os.path.expanduser(m.path)
+        if is_compressed(path):  # a low-bit export as the frozen base (config validation admits it per algorithm)
+            from inference.quantized import load_quantized
+
+            return load_quantized(path)
+        return load_pretrained(path, "float32", m.trust_remote_code)
     m = default_model.resolve(m)
     if m.warm_start_steps == 0:
         return build_tiny(default_model.spec(m), m.seed)
