@@ -381,6 +381,9 @@ class Traits:
     # model.path may be a low-bit (compressed-tensors) export: the frozen base runs on the low-bit path and
     # only the algorithm's new modules train (gradients pass through it as through fake quantization)
     low_bit_base: bool = False
+    # the export computes the starting model's function (a frozen base, or its quantized copy): what the
+    # starting model's export says of that function's fast paths (its SEED drafter spec) carries over
+    keeps_base: bool = False
 
 
 def pad_right(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:

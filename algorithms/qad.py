@@ -63,7 +63,7 @@ HIDDEN, KL, CE = "hidden", "kl", "ce"
 
 @dataclass
 class QADConfig:
-    traits: ClassVar[Traits] = Traits(zero_steps=True, tiny_lr=3e-4)  # max_steps=0: evaluate and export the RTN student
+    traits: ClassVar[Traits] = Traits(zero_steps=True, tiny_lr=3e-4, keeps_base=True)  # max_steps=0: evaluate and export the RTN student
     name: str = "qad"
     format: str = "W4A8"  # W4A4 | W4A8 | W8A8 | W4A16 | W8A16
     group_size: int = 0  # weight scale per group of input columns; 0 = per output channel

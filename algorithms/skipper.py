@@ -73,7 +73,7 @@ COMPLETIONS = ("solutions", "base")
 class SkipperConfig:
     # lr: 3e-3 measured on the tiny default (docs/skipper.md). On a pretrained base only the new routers and
     # adapters train (the base is frozen), as with LoRA adapters: 1e-4, untuned.
-    traits: ClassVar[Traits] = Traits(tiny_lr=3e-3, pretrained_lr=1e-4, low_bit_base=True)
+    traits: ClassVar[Traits] = Traits(tiny_lr=3e-3, pretrained_lr=1e-4, low_bit_base=True, keeps_base=True)
     name: str = "skipper"
     layers: list[int] = field(default_factory=list)  # routed decoder layers; [] = the upper half
     gate: str = "hard"  # hard (straight-through 0/1 decision) | soft (s_run = g, s_skip = 1 - g)

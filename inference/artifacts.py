@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ATTUNER_FILE", "DRAFTER_DEFAULTS", "DrafterSpec", "EXPORT_KINDS", "ManifestError", "SEED_DRAFTER_FILE",
+__all__ = ["ATTUNER_FILE", "DRAFTER_DEFAULTS", "carry_drafter_spec", "DrafterSpec", "EXPORT_KINDS", "ManifestError", "SEED_DRAFTER_FILE",
            "SERVING_FILE", "SERVING_VERSION", "ServingManifest", "read_drafter_spec", "read_manifest",
            "write_drafter_spec", "write_manifest"]
 
@@ -73,6 +73,16 @@ def write_drafter_spec(out_dir: str | os.PathLike, spec: DrafterSpec) -> Path:
     path = Path(out_dir) / SEED_DRAFTER_FILE
     write_json_atomic(path, spec.to_dict())
     return path
+
+
+def carry_drafter_spec(source_dir: str | os.PathLike, out_dir: str | os.PathLike) -> bool:
+    """Copy `source_dir`'s seed_drafter.json into `out_dir` when the source has one and `out_dir` has
+    none (an export that keeps its starting model's function: a skipper's frozen base, QAD's quantized
+    copy). Returns whether it was copied."""
+    if not (Path(source_dir) / SEED_DRAFTER_FILE).exists() or (Path(out_dir) / SEED_DRAFTER_FILE).exists():
+        return False
+    write_drafter_spec(out_dir, read_drafter_spec(source_dir))
+    return True
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

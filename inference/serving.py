@@ -407,6 +407,10 @@ def _check_request(path: str, manifest: ServingManifest, options: ServeOptions) 
     if manifest.weights == "compressed" and options.adapter:
         raise ServingError(f"{where}: weights compressed ({manifest.scheme}): a LoRA adapter "
                            f"({options.adapter}) cannot be merged into low-bit weights")
+    if options.speculative and manifest.weights == "compressed" and not str(manifest.scheme).endswith("A16"):
+        raise ServingError(f"{where}: scheme {manifest.scheme} quantizes activations per token: speculative "
+                           "verification rounds them differently from one-token decoding, so speculative="
+                           f"{options.speculative} would not be exact (weight-only W4A16 / W8A16 serve speculatively)")
     found = _skipper_dir(path, manifest, options)
     if found is not None:
         from transformers import AutoConfig

@@ -289,7 +289,10 @@ def _resume_path(cfg: TrainConfig):
 
 def export_final(s: Session) -> str:
     """Write the algorithm's artifact to output_dir/final/ (rank 0), atomically, with its serving
-    manifest (`serving.json`: what the runtime's serving door reads, `inference/serving.py`)."""
+    manifest (`serving.json`: what the runtime's serving door reads, `inference/serving.py`). An
+    algorithm whose export keeps the starting model's function (`Traits.keeps_base`: skipper, qad)
+    carries the starting export's SEED drafter spec over, so the fast paths stack."""
+    from inference.artifacts import carry_drafter_spec
     from inference.serving import write_serving_manifest
 
     model = s.backend.full_model()
@@ -298,6 +301,8 @@ def export_final(s: Session) -> str:
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         s.algo.export(model, s.tokenizer, tmp)
+        if s.cfg.algo.traits.keeps_base and s.cfg.model.path is not None:
+            carry_drafter_spec(os.path.expanduser(s.cfg.model.path), tmp)
         write_serving_manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)

@@ -311,9 +311,9 @@ def test_cli_speculative_matches_plain(tmp_path, capsys):
 def test_unsupported_model_raises_clearly(target):
     other = copy.deepcopy(target)
     other.model.layers[0].register_forward_hook(lambda *args: None)
-    with pytest.raises(ValueError, match="cannot run the model"):
+    with pytest.raises(ValueError, match="cannot run the model exactly"):
         SpeculativeDecoder(other)
-    with pytest.raises(ValueError, match="cannot run the drafter"):
+    with pytest.raises(ValueError, match="cannot run the drafter exactly"):
         SpeculativeDecoder(target, mode="external", drafter=other)
     with pytest.raises(ValueError, match="vocab"):
         SpeculativeDecoder(target, mode="external", drafter=make(layers=1, vocab=VOCAB + 1))
