@@ -462,8 +462,10 @@ class KVCache:
         """k, v: (len(rows), T, H_kv, D) of the live rows `rows` -> their slots [start, start + T)."""
         end = start + k.shape[1]
         kv = self.kv[layer]
-        kv[KEY, rows, :, start:end] = k.transpose(1, 2)
-        kv[VALUE, rows, :, start:end] = v.transpose(1, 2)
+        # advanced indexing does not cast as a slice assignment does (under autocast k, v come in the
+        # compute dtype, the cache holds the weights')
+        kv[KEY, rows, :, start:end] = k.transpose(1, 2).to(kv.dtype)
+        kv[VALUE, rows, :, start:end] = v.transpose(1, 2).to(kv.dtype)
 
     def read_rows(self, layer: int, end: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`read` of the live rows `rows` only (a gathered copy): (len(rows), H_kv, end, D) each."""

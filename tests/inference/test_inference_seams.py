@@ -148,6 +148,19 @@ def test_route_runs_every_layer_and_dense_changes_nothing(qwen3):
 # ----------------------------------------------------------------------------- cache contents
 
 
+def test_row_writes_cast_to_the_cache_dtype_as_slice_writes_do(qwen3):
+    """Under bf16 autocast K/V come in bf16 into an fp32 cache: writing a subset of rows (a skip route's
+    gathered rows) stores what writing every row stores (it raised before: advanced indexing does not cast)."""
+    dims = read_dims(qwen3)
+    every, some = KVCache(dims, 3, 8, torch.float32, "cpu"), KVCache(dims, 3, 8, torch.float32, "cpu")
+    k = torch.randn(3, 2, dims.kv_heads, dims.head_dim).to(torch.bfloat16)
+    v = torch.randn(3, 2, dims.kv_heads, dims.head_dim).to(torch.bfloat16)
+    every.write(0, 1, k, v)
+    rows = torch.tensor([0, 2])
+    some.write_rows(0, 1, rows, k[rows], v[rows])
+    assert torch.equal(some.kv[0, :, rows, :, 1:3], every.kv[0, :, rows, :, 1:3])
+
+
 def test_kv_written_from_outside_is_attended_like_a_prefill(qwen3):
     """K/V of a prefix copied in with KVCache.write, then a forward over only the new tokens, gives
     the logits of prefilling the whole sequence."""
