@@ -220,7 +220,10 @@ def lowbit_linear(x: Tensor, weights: LowBitWeights, bias: Optional[Tensor] = No
     (a `lean.LinearOp` with LowBitWeights in the weight slot)."""
     scheme = weights.scheme
     if scheme.act_bits is None:  # weight only: activations stay in x's float dtype
-        return F.linear(x, dequantize_weight(weights.q, weights.scale).to(x.dtype), bias)
+        key = ("dequantized", x.dtype, x.device)  # de-quantized once per operands object, not per call
+        if key not in weights.cache:
+            weights.cache[key] = dequantize_weight(weights.q, weights.scale).to(x.dtype)
+        return F.linear(x, weights.cache[key], bias)
     lead = x.shape[:-1]
     if _triton_ready(x, weights):
         from inference import lowbit_triton
