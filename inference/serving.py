@@ -237,6 +237,7 @@ class Server:
                                                    ("adaptive", o.adaptive)) if value is not None}
         if o.engine.max_seq_len is not None:
             overrides["max_seq_len"] = o.engine.max_seq_len
+        overrides["compile"] = o.engine.compile
         try:
             if o.speculative == "seed":
                 if seed_dir is None and self.path is None:

@@ -50,7 +50,7 @@ from torch import nn
 
 from inference.artifacts import DRAFTER_DEFAULTS, read_drafter_spec
 from inference.engine import PaddedPrompts, run_generation
-from inference.lean import EAGER, LeanBackend, lean_unsupported_reason, read_dims, rope_tables
+from inference.lean import EAGER, Blocks, LeanBackend, compiled_blocks, lean_unsupported_reason, read_dims, rope_tables
 from inference.lowbit import LowBitLinear
 from inference.rollout import Completion, Emitted
 from inference.sampling import SamplingParams, top_k_filter, top_p_filter
@@ -163,10 +163,10 @@ def inexact_reason(model: nn.Module) -> str | None:
 class MaskedCache:
     """A lean KV cache whose rows may hold rejected (masked-out) slots; see the module docstring."""
 
-    def __init__(self, model: nn.Module, batch: int, capacity: int):
+    def __init__(self, model: nn.Module, batch: int, capacity: int, blocks: Blocks = EAGER):
         self.dims = read_dims(model)
         self.rope = rope_tables(model, capacity + 1)
-        self.lean = LeanBackend(model, self.dims, self.rope, batch, capacity, EAGER, route=route_for(model))
+        self.lean = LeanBackend(model, self.dims, self.rope, batch, capacity, blocks, route=route_for(model))
         self.cache = self.lean.cache
         self.capacity = capacity
         self.slot = 0
@@ -256,7 +256,8 @@ class SpeculativeDecoder:
     def __init__(self, model: nn.Module, *, mode: str = "seed",
                  decoder_layers: int = DRAFTER_DEFAULTS.decoder_layers, drafter=None,
                  draft_len: int = DRAFTER_DEFAULTS.draft_len, confidence: float = DRAFTER_DEFAULTS.confidence,
-                 adaptive: bool = DRAFTER_DEFAULTS.adaptive, max_seq_len: int | None = None):
+                 adaptive: bool = DRAFTER_DEFAULTS.adaptive, max_seq_len: int | None = None,
+                 compile: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if draft_len < 1:
@@ -272,6 +273,9 @@ class SpeculativeDecoder:
         self.decoder_layers, self.draft_len = decoder_layers, draft_len
         self.confidence, self.adaptive = confidence, adaptive
         self.max_seq_len = max_seq_len or model.config.max_position_embeddings
+        # compile: the cache-free halves of every layer torch.compile'd, in draft steps and verification
+        # alike (as EngineConfig.compile does for plain decoding); built once per decoder
+        self.blocks = compiled_blocks() if compile else EAGER
         self._check()
 
     @classmethod
@@ -327,8 +331,8 @@ class SpeculativeMode:
         B, P = batch.ids.shape
         # Room for every row's valid tokens plus one round in flight (and a drafter sync slot).
         capacity = P + new_tokens + spec.draft_len + 2
-        self.target = MaskedCache(spec.model, B, capacity)
-        self.draft_cache = MaskedCache(spec.drafter, B, capacity) if spec.drafter is not None else None
+        self.target = MaskedCache(spec.model, B, capacity, spec.blocks)
+        self.draft_cache = MaskedCache(spec.drafter, B, capacity, spec.blocks) if spec.drafter is not None else None
         L = self.target.dims.layers
         self.top_layers = range(L - spec.decoder_layers, L)
         self.all_layers = range(L)
@@ -403,17 +407,19 @@ class SpeculativeMode:
             if not bool(active.any()):
                 break
             logits = self._draft_logits(token, pos + j, base + j).float()  # (n, V)
-            q = target_probs(logits, params)  # (n, V)
-            if params.greedy:
+            if params.greedy:  # the argmax; the distribution only for the confidence rule
                 token = logits.argmax(-1)
+                top = (logits.max(-1).values - logits.logsumexp(-1)).exp() if spec.adaptive else None  # (n,)
             else:
+                q = target_probs(logits, params)  # (n, V)
                 token = torch.multinomial(q, 1, generator=self.generator).squeeze(1)
+                qs.append(q)
+                top = q.max(-1).values
             drafts.append(token)
-            qs.append(q)
             limit += active.long()
             more = j + 1 < cap
             if spec.adaptive:
-                more &= q.max(-1).values >= spec.confidence
+                more &= top >= spec.confidence
             active &= more
         m = len(drafts)
         draft_ids = torch.stack(drafts, 1) if m else x.new_zeros(n, 0)
