@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     if not any(a.lstrip("+").startswith("recipe=") for a in overrides):
         overrides.append("+algo=sft")
     try:
-        cfg = load_config(overrides, config_schemas())
+        cfg = load_config(overrides, config_schemas(), training=False)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2

@@ -263,9 +263,10 @@ def _apply_recipe(overrides: list[str]) -> tuple[list[str], Optional[str]]:
     return [o for o in overrides if o not in algo_args], algo
 
 
-def load_config(overrides: list[str], algo_schemas: dict[str, type]) -> TrainConfig:
+def load_config(overrides: list[str], algo_schemas: dict[str, type], training: bool = True) -> TrainConfig:
     """Compose + validate. Raises ConfigError (one line) on any bad input. `+recipe=NAME`
-    (configs/recipe/NAME.yaml) implies its algorithm, so it needs no `+algo=`."""
+    (configs/recipe/NAME.yaml) implies its algorithm, so it needs no `+algo=`. training=False (evaluate.py):
+    the checks of what the algorithm would train are left out (a low-bit export evaluates as served)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -296,7 +297,7 @@ def load_config(overrides: list[str], algo_schemas: dict[str, type]) -> TrainCon
         raise ConfigError(_describe(err)) from None
     _resolve_warm_start(cfg)
     _resolve_lr(cfg)
-    validate(cfg)
+    validate(cfg, training)
     return cfg
 
 
@@ -364,7 +365,7 @@ CHOICES = {
 }
 
 
-def validate(cfg: TrainConfig) -> None:
+def validate(cfg: TrainConfig, training: bool = True) -> None:
     """Value checks the type system cannot express. Nothing here touches the disk except to read."""
     from algorithms.base import ChecksRun
     for key, allowed in CHOICES.items():
@@ -406,7 +407,8 @@ def validate(cfg: TrainConfig) -> None:
     if t.resume not in ("auto", "never") and not os.path.isdir(os.path.expanduser(t.resume)):
         raise ConfigError(f"trainer.resume={t.resume}: no such checkpoint directory")
     _validate_model_path(cfg.model)
-    _validate_low_bit_base(cfg, traits)
+    if training:
+        _validate_low_bit_base(cfg, traits)
     _validate_chat_template(cfg)
     for key in ("max_prompt_tokens", "max_length"):
         value = getattr(cfg.data, key)
