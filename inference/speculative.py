@@ -212,9 +212,11 @@ class MaskedCache:
         """hidden (..., C) -> logits (..., V) in the model dtype."""
         return self.lean.logits(hidden)
 
-    def commit(self, start: int, valid: torch.Tensor) -> None:
-        """Keep the first valid[r] slots of the block written at `start`; mask the rest out."""
-        keep = int(valid.max()) if valid.numel() else 0
+    def commit(self, start: int, valid: torch.Tensor, keep: int | None = None) -> None:
+        """Keep the first valid[r] slots of the block written at `start`; mask the rest out. `keep`:
+        max(valid) when the caller already read it to the host (no second device sync)."""
+        if keep is None:
+            keep = int(valid.max()) if valid.numel() else 0
         end = start + keep
         if keep:
             slots = torch.arange(start, end, device=valid.device)
@@ -378,7 +380,9 @@ class SpeculativeMode:
             p = target_probs(logits, params)  # (n, m + 1, V)
             accepted, nxt = accept_sampled(p, qs, drafts, limit, self.generator)
             logp = (logits / params.temperature).log_softmax(-1)
-        self.target.commit(start, accepted + 1)
+        # one host read for the round's bookkeeping: the longest acceptance (the cache's new end) and the counts
+        most, total_accepted, total_drafted = torch.stack([accepted.max(), accepted.sum(), limit.sum()]).tolist()
+        self.target.commit(start, accepted + 1, most + 1)
         if self.draft_cache is not None:
             self._sync_drafter(ids, positions, accepted, m)
 
@@ -386,8 +390,8 @@ class SpeculativeMode:
         emitted.scatter_(1, accepted[:, None], nxt[:, None])
         lp = logp.gather(-1, emitted[..., None]).squeeze(-1)  # (n, m + 1)
         self.stats.steps += n
-        self.stats.drafted += int(limit.sum())
-        self.stats.accepted += int(accepted.sum())
+        self.stats.drafted += total_drafted
+        self.stats.accepted += total_accepted
         return Emitted(emitted, lp, accepted + 1)
 
     def _draft(self, x, pos, cap, K):
@@ -404,7 +408,8 @@ class SpeculativeMode:
         token = x
         base = (self.draft_cache or self.target).slot
         for j in range(K):
-            if not bool(active.any()):
+            # without the confidence rule every row drafts min(cap, K) tokens, known on the host: no read
+            if spec.adaptive and not bool(active.any()):
                 break
             logits = self._draft_logits(token, pos + j, base + j).float()  # (n, V)
             if params.greedy:  # the argmax; the distribution only for the confidence rule
