@@ -53,6 +53,8 @@ def parse_args(argv=None):
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--decoder-layers", type=int, default=2, help="SEED: the top layers that draft")
     ap.add_argument("--seed-steps", type=int, default=300)
+    ap.add_argument("--seed-lr", type=float, default=3e-4,
+                    help="SEED's lr (its tiny-model value; model.path would otherwise give the pretrained 1e-5)")
     ap.add_argument("--qad-steps", type=int, default=200)
     ap.add_argument("--skip-steps", type=int, default=300)
     ap.add_argument("--format", default="W4A16", help="QAD's low-bit scheme (weight-only keeps speculation exact)")
@@ -106,7 +108,8 @@ def models(args) -> dict[str, str]:
         ensure(cfg.model, World())
         os.makedirs(args.workdir, exist_ok=True)
         build_upscaled(cache_path(cfg.model), args.layers, base)
-    seed = stage(args, "seed", "seed", base, f"algo.decoder_layers={args.decoder_layers}", steps=args.seed_steps)
+    seed = stage(args, f"seed-lr{args.seed_lr:g}", "seed", base, f"algo.decoder_layers={args.decoder_layers}",
+                 f"trainer.lr={args.seed_lr}", steps=args.seed_steps)
     qad = stage(args, f"qad-{args.format}", "qad", seed, f"algo.format={args.format}", steps=args.qad_steps)
     skip = stage(args, "skip", "skipper", seed, steps=args.skip_steps)
     qskip = stage(args, f"qskip-{args.format}", "skipper", qad, steps=args.skip_steps)
