@@ -220,10 +220,9 @@ def lowbit_linear(x: Tensor, weights: LowBitWeights, bias: Optional[Tensor] = No
     (a `lean.LinearOp` with LowBitWeights in the weight slot)."""
     scheme = weights.scheme
     if scheme.act_bits is None:  # weight only: activations stay in x's float dtype
-        key = ("dequantized", x.dtype, x.device)  # de-quantized once per operands object, not per call
-        if key not in weights.cache:
-            weights.cache[key] = dequantize_weight(weights.q, weights.scale).to(x.dtype)
-        return F.linear(x, weights.cache[key], bias)
+        # de-quantized per call: a copy kept with the operands would hold the full-precision weights
+        # the format exists to avoid storing
+        return F.linear(x, dequantize_weight(weights.q, weights.scale).to(x.dtype), bias)
     lead = x.shape[:-1]
     if _triton_ready(x, weights):
         from inference import lowbit_triton
@@ -341,9 +340,9 @@ class LowBitLinear(nn.Module):
 class _LowBitThrough(torch.autograd.Function):
     """The integer op's output forward; backward, the gradient with respect to x of training's
     fake-quant linear: the stored weights de-quantized, the tokens fake-quantized
-    (`models.quant.fake_quant_tokens`: straight through the rounding, through the token scale). Nothing of the module trains; gradients
-    reach the modules below it (a layer skipper's routers trained over a low-bit base,
-    `+algo=skipper model.path=QAD_EXPORT`)."""
+    (`models.quant.fake_quant_tokens`: straight through the rounding, through the token scale).
+    Nothing of the module trains; gradients reach the modules below it (a layer skipper's routers
+    trained over a low-bit base, `+algo=skipper model.path=QAD_EXPORT`)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, module: "LowBitLinear") -> Tensor:

@@ -63,7 +63,7 @@ def describe(path: str | os.PathLike) -> ServingManifest:
     compressed-tensors quantization_config), adapter_config.json (+ attuner.json), skipper/,
     seed_drafter.json and the tokenizer. ServingError naming the file for a format this runtime
     cannot run."""
-    from models.skipper import find_skipper
+    from models.skipper import SKIPPER_DIR, find_skipper
 
     path = str(path)
     stop_ids, vocab_size = _tokenizer_facts(path)
@@ -71,8 +71,6 @@ def describe(path: str | os.PathLike) -> ServingManifest:
     if os.path.exists(os.path.join(path, SEED_DRAFTER_FILE)):
         facts["drafter"] = SEED_DRAFTER_FILE
     if find_skipper(path) is not None:
-        from models.skipper import SKIPPER_DIR
-
         facts["skipper"] = SKIPPER_DIR
     adapter_config = os.path.join(path, ADAPTER_CONFIG)
     if os.path.exists(adapter_config):

@@ -55,6 +55,7 @@ from inference.lowbit import LowBitLinear
 from inference.rollout import Completion, Emitted
 from inference.sampling import SamplingParams, top_k_filter, top_p_filter
 from inference.skip_routing import route_for
+from models.quant import FakeQuantLinear
 
 __all__ = ["SpecStats", "SpeculativeDecoder", "SpeculativeMode", "accept_greedy", "accept_sampled",
            "target_probs"]
@@ -147,8 +148,6 @@ def inexact_reason(model: nn.Module) -> str | None:
     different order than one-token decoding, and its last-bit differences move activations across
     rounding boundaries (3 of 16 greedy rows differed on a W4A8 tiny model). Weight-only schemes
     (W4A16, W8A16) are continuous in the input, as full precision is, and are served."""
-    from models.quant import FakeQuantLinear
-
     for name, module in model.named_modules():
         if isinstance(module, (LowBitLinear, FakeQuantLinear)) and module.scheme.act_bits is not None:
             return (f"{name} quantizes its input per token ({module.scheme.name}); speculative verification "
