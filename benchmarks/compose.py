@@ -75,8 +75,10 @@ def parse_args(argv=None):
 
 def stage(args, name: str, algo: str, source: str, *extra: str, steps: int) -> str:
     """final/ of one training stage, trained into --workdir unless it is there (a finished run's
-    final/ is published whole by the trainer)."""
-    out = os.path.join(args.workdir, f"{name}-s{steps}")
+    final/ is published whole by the trainer). A stage's directory is named after the chain of stages
+    that made it, so a changed upstream stage never reuses a downstream one trained from the old."""
+    parent = os.path.basename(os.path.dirname(source)) if os.path.basename(source) == "final" else ""
+    out = os.path.join(args.workdir, f"{parent}.{name}-s{steps}" if parent else f"{name}-s{steps}")
     final = os.path.join(out, "final")
     if os.path.exists(os.path.join(final, "serving.json")):
         return final

@@ -19,7 +19,7 @@ at batch 1 and 8, greedy and temperature 1: tokens/s, mean tokens per verify for
 drafts + 1), speedup over plain. The variants of one setting run round-robin `--repeats` times
 and each keeps its fastest pass, so a slow spell of the machine hits them alike. Also: held-out
 greedy accuracy of the model before and after SEED fine-tuning (it must not drop), from the
-training run's own evals. One thread; last line JSON.
+training run's own evals. One thread; last line JSON, also written to docs/results/speculative.json.
 
     python benchmarks/speculative.py                     # build + SEED-train (cached runs reused)
     python benchmarks/speculative.py --model outputs/seed/final --prompts 16
@@ -100,7 +100,7 @@ def seed_model(args) -> tuple[str, dict]:
     """A SEED-trained export of the deep warm-started model (trained once into --workdir), and the
     held-out evals of that run (step 0 = the warm start, last = after SEED)."""
     name = (f"seed-up{args.layers}-s{args.seed_steps}" if args.target == "upscaled"
-            else f"seed-l{args.layers}-w{args.warm_steps}-s{args.seed_steps}")
+            else f"seed-l{args.layers}-w{args.warm_steps}-s{args.seed_steps}") + f"-lr{args.seed_lr:g}"
     if args.extra:  # a different training recipe is a different cached run
         name += "-" + hashlib.sha256(" ".join(args.extra).encode()).hexdigest()[:8]
     out = os.path.join(args.workdir, name)
@@ -109,8 +109,8 @@ def seed_model(args) -> tuple[str, dict]:
         cmd = [sys.executable, os.path.join(ROOT, "train.py"), "+algo=seed", *deep_overrides(args),
                f"trainer.max_steps={args.seed_steps}", f"trainer.eval_every={args.seed_steps}",
                f"trainer.save_every={args.seed_steps}", f"trainer.eval_examples={args.eval_examples}",
-               "trainer.resume=never", "logging.wandb=false", "logging.progress=false", f"output_dir={out}",
-               *args.extra]
+               f"trainer.lr={args.seed_lr}", "trainer.resume=never", "logging.wandb=false", "logging.progress=false",
+               f"output_dir={out}", *args.extra]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.train_threads), WANDB_MODE="disabled")
         started = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -144,6 +144,8 @@ def main() -> None:
     ap.add_argument("--drafter-seed", type=int, default=1,
                     help="seed of the external drafter's warm start (the default 4-layer tiny model)")
     ap.add_argument("--seed-steps", type=int, default=300)
+    ap.add_argument("--seed-lr", type=float, default=3e-4,
+                    help="SEED's lr (its tiny-model value; model.path would otherwise give the pretrained 1e-5)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
@@ -152,6 +154,8 @@ def main() -> None:
     ap.add_argument("--train-threads", type=int, default=2, help="threads of the SEED training run")
     ap.add_argument("--eval-examples", type=int, default=100)
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/posttrain/bench-speculative"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results"),
+                    help="where speculative.json is written ('' for nowhere)")
     ap.add_argument("--extra", nargs="*", default=[], help="more overrides for the SEED training run")
     args = ap.parse_args()
 
@@ -161,7 +165,7 @@ def main() -> None:
     from algorithms import config_schemas
     from inference import Engine, SamplingParams
     from inference.serving import ServeOptions, load_served
-    from inference.speculative import SpeculativeDecoder
+    from inference.speculative import SpecStats, SpeculativeDecoder
     from models.loading import load_pretrained
     from trainer.config import load_config
     from trainer.distributed import World
@@ -215,12 +219,12 @@ def main() -> None:
 
             def run_spec(dec):
                 def go():
-                    outs, steps, emitted = [], 0, 0
+                    outs, total = [], SpecStats()
                     for g in groups:
                         cs, st = dec.generate(g, params, generator=torch.Generator().manual_seed(0))
                         outs += cs
-                        steps, emitted = steps + st.steps, emitted + st.emitted
-                    return outs, emitted / max(steps, 1)
+                        total.add(st)
+                    return outs, total
                 return go
 
             results = timed_round_robin({"plain": run_plain, **{name: run_spec(dec) for name, dec in decoders.items()}},
@@ -228,10 +232,11 @@ def main() -> None:
             t_plain, plain = results.pop("plain")
             n_tokens = sum(len(c.tokens) for c in plain)
             row = {"temperature": temperature, "batch": batch, "plain_tok_s": n_tokens / t_plain}
-            for name, (t, (outs, accepted)) in results.items():
+            for name, (t, (outs, st)) in results.items():
                 n = sum(len(c.tokens) for c in outs)
                 row[f"{name}_tok_s"] = n / t
-                row[f"{name}_accept"] = accepted
+                row[f"{name}_accept"] = st.emitted / max(st.steps, 1)  # the prefill token included
+                row[f"{name}_round_ms"] = st.mean_round_ms
                 row[f"{name}_speedup"] = (n / t) / row["plain_tok_s"]
                 if temperature == 0.0:
                     row[f"{name}_equal_to_plain"] = [c.tokens for c in outs] == [c.tokens for c in plain]
@@ -249,7 +254,14 @@ def main() -> None:
         for name in variants:
             line += f" {r[name + '_tok_s']:15.1f} {r[name + '_accept']:7.2f} {r[name + '_speedup']:7.2f}x"
         print(line + f" {r.get('hf_assist_tok_s', float('nan')):16.1f} {r.get('hf_plain_tok_s', float('nan')):15.1f}")
-    print(json.dumps({"model": path, "evals": evals, "rows": rows}))
+    report = {"model": path, "evals": evals, "args": vars(args), "rows": rows}
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        where = os.path.join(args.out, "speculative.json")
+        with open(where + ".tmp", "w") as fh:
+            json.dump(report, fh, indent=1)
+        os.replace(where + ".tmp", where)
+    print(json.dumps(report))
 
 
 def _hf_assisted(model, small, prompts, args, temperature, eos) -> dict:

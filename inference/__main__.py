@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
               f"in decode ({args.skip_mode})", file=sys.stderr)
     if args.speculative is not None:
         print(f"[speculative {args.speculative}] acceptance length {stats.mean_accepted:.2f} tokens/verify, "
-              f"{stats.tokens_per_s():.1f} tokens/s", file=sys.stderr)
+              f"{stats.speculative.mean_round_ms:.2f} ms/round, {stats.tokens_per_s():.1f} tokens/s", file=sys.stderr)
     print(server.tokenizer.decode(completion.tokens, skip_special_tokens=True))
     return 0
 

@@ -275,9 +275,7 @@ class Server:
             completions = self.engine.generate(prompts, params, generator)
         else:
             completions, spec = self.decoder.generate(prompts, params, generator)
-            total = self.stats.speculative
-            for name in ("steps", "drafted", "accepted", "emitted"):
-                setattr(total, name, getattr(total, name) + getattr(spec, name))
+            self.stats.speculative.add(spec)
         self.stats.seconds += time.perf_counter() - start
         self.stats.calls += 1
         self.stats.completions += len(completions)

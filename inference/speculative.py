@@ -43,6 +43,7 @@ never more than max_new_tokens, logprobs = log_softmax(logits / T) over the full
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -72,11 +73,23 @@ class SpecStats:
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
     emitted: int = 0  # tokens emitted (after stop / length truncation, prefill token included)
+    rounds: int = 0  # draft + verify rounds (a batched round counts once)
+    round_seconds: float = 0.0  # wall time inside those rounds (each ends with its one host read)
 
     @property
     def mean_accepted(self) -> float:
         """Mean tokens produced per verify forward: accepted drafts + 1 correction/bonus."""
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def mean_round_ms(self) -> float:
+        """Mean wall time of a round (draft, verify, rollback) in milliseconds."""
+        return 1e3 * self.round_seconds / self.rounds if self.rounds else 0.0
+
+    def add(self, other: "SpecStats") -> None:
+        """Sum `other`'s counters into these (a server's totals over its calls)."""
+        for name in ("steps", "drafted", "accepted", "emitted", "rounds", "round_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 # ----------------------------------------------------------------------------- acceptance rules
@@ -338,6 +351,11 @@ class SpeculativeMode:
         self.top_layers = range(L - spec.decoder_layers, L)
         self.all_layers = range(L)
         self.stats = stats if stats is not None else SpecStats()
+        # The confidence rule stops drafting once no row is confident: a host read per draft step. On
+        # the CPU that read is one more op, and the draft steps it saves are the cost that counts; on
+        # an accelerator a read stalls the queue, so every round drafts its K steps and the rule only
+        # sets which drafts are proposed (`limit`): the same drafts and outputs, one read per round.
+        self.stop_early = spec.adaptive and self.device.type == "cpu"
 
     def _caches(self) -> list[MaskedCache]:
         return [self.target] if self.draft_cache is None else [self.target, self.draft_cache]
@@ -356,6 +374,7 @@ class SpeculativeMode:
     def round(self, x: torch.Tensor, pos: torch.Tensor, room: torch.Tensor | int) -> Emitted:
         """Draft, verify [x, d_1..d_m] in one forward, roll the caches back to what was accepted.
         x, pos: (n,) last emitted token and its position. -> accepted drafts + the next token."""
+        started = time.perf_counter()
         spec, params = self.spec, self.params
         n = x.shape[0]
         remaining = room if isinstance(room, torch.Tensor) else torch.full_like(x, room)  # (n,) >= 1
@@ -391,6 +410,8 @@ class SpeculativeMode:
         self.stats.steps += n
         self.stats.drafted += total_drafted
         self.stats.accepted += total_accepted
+        self.stats.rounds += 1
+        self.stats.round_seconds += time.perf_counter() - started  # after the round's host read
         return Emitted(emitted, lp, accepted + 1)
 
     def _draft(self, x, pos, cap, K):
@@ -408,7 +429,7 @@ class SpeculativeMode:
         base = (self.draft_cache or self.target).slot
         for j in range(K):
             # without the confidence rule every row drafts min(cap, K) tokens, known on the host: no read
-            if spec.adaptive and not bool(active.any()):
+            if self.stop_early and not bool(active.any()):
                 break
             logits = self._draft_logits(token, pos + j, base + j).float()  # (n, V)
             if params.greedy:  # the argmax; the distribution only for the confidence rule

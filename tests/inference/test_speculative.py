@@ -92,6 +92,37 @@ def test_greedy_equals_plain_decoding(target, prompts, drafter, adaptive):
         assert stats.emitted == batch * NEW and stats.accepted <= stats.drafted
 
 
+@pytest.mark.parametrize("drafter", ["seed", "external_near"])
+def test_adaptive_drafting_without_host_reads_is_the_same(target, prompts, drafter, monkeypatch):
+    """On an accelerator the confidence rule runs without a host read per draft step (every round
+    drafts K steps; the rule only sets what is proposed): the same tokens, proposed drafts and
+    acceptance as stopping early on the CPU, and no draft loop exits before K."""
+    params = SamplingParams(max_new_tokens=NEW, temperature=0.0)
+    spec = SpeculativeDecoder(target, adaptive=True, draft_len=4, confidence=0.6, **DRAFTERS[drafter](target))
+    steps = []
+    original_init, original_logits = SpeculativeMode.__init__, SpeculativeMode._draft_logits
+
+    def count(self, token, positions, slot):
+        steps.append(slot)
+        return original_logits(self, token, positions, slot)
+
+    def read_free(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.stop_early = False
+
+    monkeypatch.setattr(SpeculativeMode, "_draft_logits", count)
+    early, early_stats = spec.generate(prompts, params)
+    early_steps = len(steps)
+    monkeypatch.setattr(SpeculativeMode, "__init__", read_free)
+    late, late_stats = spec.generate(prompts, params)
+    assert [c.tokens for c in late] == [c.tokens for c in early]
+    for name in ("steps", "drafted", "accepted", "emitted", "rounds"):
+        assert getattr(late_stats, name) == getattr(early_stats, name), name
+    assert early_stats.drafted < 4 * early_stats.steps  # the rule stopped some drafts early
+    assert len(steps) - early_steps > early_steps  # ... and the read-free loop drafted past them
+    assert late_stats.rounds > 0 and late_stats.mean_round_ms > 0
+
+
 def test_long_batch_with_compaction_equals_plain(target, prompts, monkeypatch):
     """Rows accept different lengths for many rounds, so the masked cache must compact."""
     from inference import speculative
