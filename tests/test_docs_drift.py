@@ -1,0 +1,120 @@
+"""The documentation against the code it describes: tables that cannot drift, links that resolve.
+
+- every relative link (and `#anchor`) in README.md and docs/ resolves;
+- each algorithm page's config tables list exactly the fields of the algorithm's config dataclass,
+  each with its default;
+- the README's algorithm table lists exactly the registry's algorithms, each linking its page;
+- the README's fast-path table names only `python -m inference` flags that exist, and every flag a
+  fast path adds is in it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+
+import yaml
+
+from algorithms import config_schemas
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+# ----------------------------------------------------------------------------- markdown helpers
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: pathlib.Path) -> set[str]:
+    return {slug(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", page.read_text(), flags=re.M)}
+
+
+def links(page: pathlib.Path) -> list[str]:
+    """Relative link targets of a page, outside code blocks."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z][a-z0-9+.-]*:", t)]
+
+
+def tables(text: str, first_header: str) -> list[list[list[str]]]:
+    """Every markdown table whose header row starts with `| first_header |`: rows of cells."""
+    found, rows = [], None
+    for line in text.splitlines():
+        if line.startswith(f"| {first_header} |"):
+            rows = []
+            found.append(rows)
+        elif rows is not None and line.startswith("|"):
+            if not line.startswith("|---"):
+                rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        else:
+            rows = None
+    return found
+
+
+def documented_defaults(page: pathlib.Path) -> dict[str, str]:
+    """key -> default cell of every `| key | default | ... |` table of a page. A cell that names several
+    keys (`a` / `b`) gives each the default cell; keys of other groups (`trainer.lr`) are left out."""
+    out = {}
+    for table in tables(page.read_text(), "key"):
+        for row in table:
+            for key in re.findall(r"`([^`]+)`", row[0]) or [row[0]]:
+                if "." not in key:
+                    out[key] = row[1]
+    return out
+
+
+def same_default(cell: str, value) -> bool:
+    """A table's default cell (YAML, in backticks or not) equals the dataclass default."""
+    text = cell.strip().strip("`")
+    try:
+        parsed = yaml.safe_load(text)
+    except yaml.YAMLError:
+        parsed = text
+    if isinstance(value, (list, tuple)):
+        return isinstance(parsed, list) and list(parsed) == list(value)
+    if isinstance(value, bool) or value is None:
+        return parsed is value
+    if isinstance(value, (int, float)):
+        return isinstance(parsed, (int, float)) and not isinstance(parsed, bool) and float(parsed) == float(value)
+    return str(parsed) == str(value)
+
+
+def field_default(field: dataclasses.Field):
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    return field.default_factory()  # type: ignore[misc]
+
+
+# ----------------------------------------------------------------------------- the tests
+
+
+def test_every_relative_link_resolves():
+    broken = []
+    for page in PAGES:
+        for target in links(page):
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path) if path else page
+            if not dest.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_algorithm_pages_list_every_config_key_with_its_default():
+    problems = []
+    for name, schema in config_schemas().items():
+        page = ROOT / "docs" / f"{name}.md"
+        documented = documented_defaults(page)
+        fields = {f.name: field_default(f) for f in dataclasses.fields(schema)}
+        for key in sorted(set(fields) - set(documented)):
+            problems.append(f"docs/{name}.md lacks algo.{key}")
+        for key in sorted(set(documented) - set(fields)):
+            problems.append(f"docs/{name}.md lists algo.{key}, which {schema.__name__} does not have")
+        for key in sorted(set(fields) & set(documented)):
+            if not same_default(documented[key], fields[key]):
+                problems.append(f"docs/{name}.md: algo.{key} default {documented[key]} != {fields[key]!r}")
+    assert not problems, "\n".join(problems)
