@@ -699,12 +699,14 @@ class LeanBackend:
         """Keep only `rows` (indices into the live rows), moving them to the front in order."""
         self.cache.keep(rows, self.slot, mask=self.padded)
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, layers: Iterable[int], start: int, mask) -> torch.Tensor:
+    def run(self, x: torch.Tensor, positions: torch.Tensor, layers: Iterable[int], start: int, mask,
+            route: Route | None = None) -> torch.Tensor:
         """Run `layers` on hidden states x (n, T, C) at positions (n, T), written at slots
-        [start, start + T), under `mask` (n, 1, T, start + T) -> hidden (n, T, C)."""
+        [start, start + T), under `mask` (n, 1, T, start + T) -> hidden (n, T, C). `route`: this
+        call's routing (None: the backend's own)."""
         rows = rope_at(self.rope, positions, x.dtype)
         return run_layers(x, layers, self.weights, self.dims, self.blocks, rows, self.cache, start, mask,
-                          self.route)
+                          self.route if route is None else route)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (n, T) -> (n, T, C)."""

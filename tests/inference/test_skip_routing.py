@@ -264,13 +264,26 @@ def test_evaluate_reports_the_skip_ratio_of_an_export(tmp_path):
     assert line["n"] == 8 and 0.0 < line["skip_ratio"] < 1.0
 
 
-def test_speculative_decoding_composes_with_a_skipper(models):
-    """SEED self-drafting over a skipper model (drafts through the routed top layers, verification
-    runs masked) gives exactly the skipper model's own greedy output."""
+def test_speculative_decoding_composes_with_a_skipper(models, monkeypatch):
+    """SEED self-drafting over a skipper model (drafts through the top layers dense, as SEED trained
+    them; verification runs the routes, masked) gives exactly the skipper model's own greedy output."""
+    from inference import lean
     from inference.speculative import SpeculativeDecoder
 
     _, skip = models
     plain, _ = greedy(skip, PROMPTS, n=12)
+    routes = []
+    original = lean.LeanBackend.run
+
+    def spy(self, x, positions, layers, start, mask, route=None):
+        routes.append((len(layers), route if route is not None else self.route))
+        return original(self, x, positions, layers, start, mask, route)
+
+    monkeypatch.setattr(lean.LeanBackend, "run", spy)
     decoder = SpeculativeDecoder(skip, mode="seed", decoder_layers=2, draft_len=3, adaptive=False)
     outs, stats = decoder.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.0))
     assert [list(o.tokens) for o in outs] == plain and stats.mean_accepted > 1.0
+    layers = skip.config.num_hidden_layers
+    assert {route for n, route in routes if n == 2} == {lean.dense}  # every draft step
+    verify = {route for n, route in routes if n == layers}
+    assert len(verify) == 1 and lean.dense not in verify  # every verification: the model's skip route
