@@ -118,3 +118,57 @@ def test_algorithm_pages_list_every_config_key_with_its_default():
             if not same_default(documented[key], fields[key]):
                 problems.append(f"docs/{name}.md: algo.{key} default {documented[key]} != {fields[key]!r}")
     assert not problems, "\n".join(problems)
+
+
+def readme_table(first_header: str) -> list[list[str]]:
+    [table] = tables((ROOT / "README.md").read_text(), first_header)
+    return table
+
+
+def test_readme_algorithm_table_is_the_registry():
+    rows = readme_table("`+algo=`")
+    listed = [row[0].strip("`") for row in rows]
+    assert listed == list(config_schemas()), "README's algorithm table differs from algorithms.REGISTRY"
+    for name, row in zip(listed, rows):
+        assert f"(docs/{name}.md)" in row[-1], f"README: {name}'s row does not link docs/{name}.md"
+
+
+def cli_flags() -> set[str]:
+    source = (ROOT / "inference" / "__main__.py").read_text()
+    return set(re.findall(r'add_argument\(\s*"(--[a-z-]+)"', source))
+
+
+def test_readme_names_only_real_cli_flags_and_every_fast_path_flag():
+    flags = cli_flags()
+    readme = (ROOT / "README.md").read_text()
+    inference_lines = [line for line in readme.splitlines() if "python -m inference" in line]
+    fast_paths = "\n".join(" | ".join(row) for row in readme_table("fast path"))
+    named = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]+)", "\n".join(inference_lines) + fast_paths))
+    assert not named - flags, f"README names flags python -m inference does not have: {sorted(named - flags)}"
+    # the flags that select a fast path (the rest tune one: --draft-len, --confidence, --pic-mode, ...)
+    for flag in ("--speculative", "--drafter", "--adapter", "--artifacts", "--skip-mode"):
+        assert flag in flags and flag in fast_paths, f"README's fast-path table lacks {flag}"
+
+
+def test_docs_index_lists_every_page():
+    index = (ROOT / "docs" / "README.md").read_text()
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name != "README.md")
+    missing = [name for name in pages if f"]({name}" not in index]
+    assert not missing, f"docs/README.md does not link {missing}"
+
+
+PRODUCT = ("algorithms", "inference", "models", "tasks", "trainer")
+
+
+def test_the_tree_names_every_module():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    tree = text.split("## The tree", 1)[1].split("```")[1]
+    words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", tree))
+    missing = []
+    for package in PRODUCT:
+        assert f"{package}/" in tree, package
+        for path in (ROOT / package).rglob("*.py"):
+            stem = path.parent.name if path.stem == "__init__" else path.stem
+            if stem not in words and stem not in PRODUCT:
+                missing.append(str(path.relative_to(ROOT)))
+    assert not missing, f"docs/architecture.md's tree does not name {missing}"
