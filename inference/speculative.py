@@ -361,7 +361,9 @@ class SpeculativeMode:
         # The confidence rule stops drafting once no row is confident: a host read per draft step. On
         # the CPU that read is one more op, and the draft steps it saves are the cost that counts; on
         # an accelerator a read stalls the queue, so every round drafts its K steps and the rule only
-        # sets which drafts are proposed (`limit`): the same drafts and outputs, one read per round.
+        # sets which drafts are proposed (`limit`): the same proposals and greedy outputs, one read per
+        # round (sampled drafts past the stop draw from the generator, so sampled outputs keep their
+        # law, not their exact tokens).
         self.stop_early = spec.adaptive and self.device.type == "cpu"
 
     def _caches(self) -> list[MaskedCache]:
