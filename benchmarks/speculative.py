@@ -287,6 +287,11 @@ def render(report: dict) -> str:
                       f"{r[v + '_speedup']:.2f}x"]
         cells.append(str(all(r.get(v + "_equal_to_plain", True) for v in VARIANTS)) if r["temperature"] == 0 else "")
         lines.append("| " + " | ".join(cells) + " |")
+    hf = [r for r in report["rows"] if "hf_assist_tok_s" in r]
+    if hf:
+        lines += ["", "HF `generate` at batch 1, the same prompts: " + "; ".join(
+            f"T {r['temperature']:g}: plain {r['hf_plain_tok_s']:.1f} tok/s, with the external drafter as "
+            f"assistant {r['hf_assist_tok_s']:.1f} ({r['hf_assist_speedup_vs_hf']:.2f}x)" for r in hf) + "."]
     return "\n".join(lines) + "\n"
 
 

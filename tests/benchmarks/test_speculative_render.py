@@ -20,12 +20,16 @@ def test_the_table_is_rendered_from_the_json(tmp_path):
             "max_new_tokens": 96, "threads": 1, "repeats": 3, "fixed_k": 6}
     evals = {"before": {"n": 100, "accuracy": 0.42, "seed/mean_accepted": 1.14},
              "after": {"n": 100, "accuracy": 0.76, "seed/mean_accepted": 3.6}}
-    report = {"model": "m", "evals": evals, "args": args, "rows": [row(0.0, 1), row(1.0, 8)]}
+    first = dict(row(0.0, 1), hf_plain_tok_s=50.0, hf_assist_tok_s=60.0, hf_assist_speedup_vs_hf=1.2)
+    report = {"model": "m", "evals": evals, "args": args, "rows": [first, row(1.0, 8)]}
     write_results(report, str(tmp_path))
     assert json.loads((tmp_path / "speculative.json").read_text()) == report
     table = (tmp_path / "speculative.md").read_text()
     assert table == render(report)
     lines = table.splitlines()
+    assert lines[-1] == ("HF `generate` at batch 1, the same prompts: T 0: plain 50.0 tok/s, with the external "
+                         "drafter as assistant 60.0 (1.20x).")
+    lines = lines[:-2]
     assert "0.420 -> 0.760" in table and "1.14 -> 3.60" in table
     assert lines[-2] == ("| 0 | 1 | 100.0 | 150.0 | 3.50 | 6.25 | 1.50x | 151.0 | 3.50 | 6.25 | 1.51x | "
                          "152.0 | 3.50 | 6.25 | 1.52x | False |")
