@@ -172,3 +172,37 @@ def test_the_tree_names_every_module():
             if stem not in words and stem not in PRODUCT:
                 missing.append(str(path.relative_to(ROOT)))
     assert not missing, f"docs/architecture.md's tree does not name {missing}"
+
+
+# docs/architectures.md's summary rows -> the support matrix's architectures they stand for
+FAMILIES = {
+    "Llama, Qwen2, Qwen3": ("llama", "qwen2", "qwen3"),
+    "Llama with scaled RoPE": ("llama-rope-linear", "mistral-swa", "phi3", "gemma", "gemma2", "gemma3-text"),
+    "Qwen2-MoE, Qwen3-MoE, Mixtral": ("qwen2-moe", "qwen3-moe", "mixtral"),
+    "OLMo-2": ("olmo2",),
+    "GPT-NeoX, GPT-2": ("gpt-neox", "gpt2"),
+}
+
+
+def test_the_architecture_summary_is_the_measured_support_matrix():
+    """Each cell of docs/architectures.md's table says what benchmarks/support_matrix.py measured for
+    every architecture of that row (results/support_matrix.json), and every measured one has a row."""
+    import json
+
+    measured = {row["arch"]: {k: v["verdict"].split()[0] for k, v in row["cells"].items()}
+                for row in json.loads((ROOT / "docs" / "results" / "support_matrix.json").read_text())["rows"]}
+    [table] = tables((ROOT / "docs" / "architectures.md").read_text(), "architecture")
+    header = "| architecture | sft, grpo, opsd, mass, tesd, clm | seed | qad | skipper | attuner | runtime paths |"
+    assert header in (ROOT / "docs" / "architectures.md").read_text()
+    columns = [("sft", "grpo", "opsd", "mass", "tesd", "clm"), ("seed",), ("qad",), ("skipper",), ("attuner",)]
+    covered, problems = set(), []
+    for row in table:
+        [family] = [f for f in FAMILIES if row[0].startswith(f)]
+        for arch in FAMILIES[family]:
+            covered.add(arch)
+            for cell, algos in zip(row[1:6], columns):
+                for algo in algos:
+                    if measured[arch][algo] != cell:
+                        problems.append(f"{family} says {algo} {cell}; {arch} measured {measured[arch][algo]}")
+    assert not problems, "\n".join(problems)
+    assert covered == set(measured), f"architectures measured but not in the table: {sorted(set(measured) - covered)}"
