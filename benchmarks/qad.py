@@ -29,7 +29,10 @@ the fake-quant model's.
     python benchmarks/qad.py --formats W8A8 --seeds 0 --steps 30 --skip-speed
     python benchmarks/qad.py --skip-accuracy                   # part 2 only
 
-Last line: one JSON object with every figure.
+Last line: one JSON object with every figure. Each finished run (a seed of a schedule and format, the FP
+references, a format's speed) is also written as one JSON file under `--results` (docs/results/qad/, a
+folder per setting), and a rerun with the same settings skips the runs found there, so an interrupted
+benchmark goes on where it stopped; docs/results/qad.json and qad.md (the tables) are rendered at the end.
 """
 from __future__ import annotations
 
@@ -67,7 +70,34 @@ def parse_args(argv=None):
                    help="also train the full-precision model with SFT for the same steps (a reference for QAT)")
     p.add_argument("--skip-accuracy", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--results", default=os.path.join(ROOT, "docs", "results", "qad"),
+                   help="one JSON file per finished run, under a folder named by the settings; a rerun skips the "
+                        "runs found there ('' keeps nothing); qad.json and qad.md (the tables) go beside the folder")
     return p.parse_args(argv)
+
+
+def remembered(path: str | None, run):
+    """The result of `run()`, read from `path` when an earlier run finished it, else computed and
+    written there (aside, then renamed: a file there is always a finished run's)."""
+    if path and os.path.exists(path):
+        with open(path) as fh:
+            return json.load(fh)
+    result = run()
+    if path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as fh:
+            json.dump(result, fh)
+        os.replace(path + ".tmp", path)
+    return result
+
+
+def run_dirs(args) -> tuple[str | None, str | None]:
+    """The folders of this invocation's per-run files: one per accuracy setting, one per speed setting."""
+    if not args.results:
+        return None, None
+    acc = f"accuracy-steps{args.steps}-b{args.batch_size}-lr{args.lr:g}-n{args.eval_n}-t{args.max_new_tokens}"
+    speed = f"speed-h{args.wide_hidden}x{args.wide_layers}-p{args.prefill_len}-d{args.decode_tokens}-r{args.repeats}"
+    return os.path.join(args.results, acc), os.path.join(args.results, speed)
 
 
 # --- part 1: accuracy ------------------------------------------------------------------------------------
@@ -139,7 +169,10 @@ def accuracy_part(args, work: str) -> dict:
     examples = list(task.test_examples())[: args.eval_n]
     prompts = [tokenizer(task.prompt(ex), add_special_tokens=False).input_ids for ex in examples]
     num_layers = len(decoder_layers(start))
-    fp = score(task, tokenizer, examples, greedy(start, tokenizer, prompts, args.max_new_tokens, None))
+    keep, _ = run_dirs(args)
+    at = (lambda name: os.path.join(keep, name + ".json")) if keep else (lambda name: None)
+    fp = remembered(at("fp"), lambda: score(task, tokenizer, examples,
+                                            greedy(start, tokenizer, prompts, args.max_new_tokens, None)))
     print(f"FP accuracy {fp:.3f} (n={len(examples)})", flush=True)
     common = [f"trainer.batch_size={args.batch_size}", f"trainer.micro_batch_size={args.batch_size}",
               f"trainer.lr={args.lr}", "trainer.warmup_steps=5", f"algo.block_error_every={max(1, args.steps // 12)}"]
@@ -147,35 +180,42 @@ def accuracy_part(args, work: str) -> dict:
     if args.fp_sft:  # the same steps of plain SFT on the full-precision model: what training on the task adds
         accs = []
         for seed in map(int, args.seeds.split(",")):
-            out = os.path.join(work, f"sft-{seed}")
-            _, final = train_and_export([f"trainer.max_steps={args.steps}", f"seed={seed}", *common[:-1]], out, "sft")
-            model = load_served(final).model
-            accs.append(score(task, tokenizer, examples, greedy(model, tokenizer, prompts, args.max_new_tokens, None)))
+            def sft_run(seed=seed):
+                out = os.path.join(work, f"sft-{seed}")
+                _, final = train_and_export([f"trainer.max_steps={args.steps}", f"seed={seed}", *common[:-1]], out, "sft")
+                model = load_served(final).model
+                acc = score(task, tokenizer, examples, greedy(model, tokenizer, prompts, args.max_new_tokens, None))
+                shutil.rmtree(out, ignore_errors=True)
+                return acc
+
+            accs.append(remembered(at(f"fp-sft-s{seed}"), sft_run))
             print(f"FP-SFT seed {seed}: {accs[-1]:.3f}", flush=True)
-            shutil.rmtree(out, ignore_errors=True)
         table["FP-SFT"] = {"acc": accs, "acc_mean": statistics.mean(accs)}
     for fmt in filter(None, args.formats.split(",")):
         entry: dict = {}
         runs = [("PTQ", "ptq", 0)] + [(m, s, seed) for m, s in METHODS.items() for seed in map(int, args.seeds.split(","))]
         for label, schedule, seed in runs:
-            out = os.path.join(work, f"{fmt}-{schedule}-{seed}")
-            steps = 0 if schedule == "ptq" else args.steps
-            started = time.perf_counter()
-            session, final = train_and_export([f"algo.format={fmt}", f"algo.schedule={schedule}",
-                                               f"trainer.max_steps={steps}", f"seed={seed}", *common], out)
-            fq_model = session.backend.full_model().eval()
-            fq_out = greedy(fq_model, tokenizer, prompts, args.max_new_tokens, None)  # lean: the trainer's eval path
-            served = load_served(final).model  # the serving door: the low-bit path
-            rt_out = greedy(served, tokenizer, prompts, args.max_new_tokens, True)
-            result = {"acc": score(task, tokenizer, examples, rt_out), "fq": score(task, tokenizer, examples, fq_out),
-                      "same": sum(a == b for a, b in zip(rt_out, fq_out)) / len(prompts),
-                      "seconds": round(time.perf_counter() - started, 1)}
-            if schedule in ("theseus", "theseus_qat"):
-                result["stage_block_error"] = stage_errors(out, num_layers)
+            def quantized_run(fmt=fmt, schedule=schedule, seed=seed):
+                out = os.path.join(work, f"{fmt}-{schedule}-{seed}")
+                steps = 0 if schedule == "ptq" else args.steps
+                started = time.perf_counter()
+                session, final = train_and_export([f"algo.format={fmt}", f"algo.schedule={schedule}",
+                                                   f"trainer.max_steps={steps}", f"seed={seed}", *common], out)
+                fq_model = session.backend.full_model().eval()
+                fq_out = greedy(fq_model, tokenizer, prompts, args.max_new_tokens, None)  # lean: the trainer's eval path
+                served = load_served(final).model  # the serving door: the low-bit path
+                rt_out = greedy(served, tokenizer, prompts, args.max_new_tokens, True)
+                result = {"acc": score(task, tokenizer, examples, rt_out), "fq": score(task, tokenizer, examples, fq_out),
+                          "same": sum(a == b for a, b in zip(rt_out, fq_out)) / len(prompts),
+                          "seconds": round(time.perf_counter() - started, 1)}
+                if schedule in ("theseus", "theseus_qat"):
+                    result["stage_block_error"] = stage_errors(out, num_layers)
+                shutil.rmtree(out, ignore_errors=True)
+                return result
+
+            result = remembered(at(f"{fmt}-{schedule}-s{seed}"), quantized_run)
             entry.setdefault(label, []).append(result)
             print(f"{fmt} {label:12s} seed {seed}: {json.dumps(result)}", flush=True)
-            shutil.rmtree(out, ignore_errors=True)
-            del session, fq_model, served
         table["formats"][fmt] = {
             label: {"acc_mean": statistics.mean(r["acc"] for r in rs), "fq_mean": statistics.mean(r["fq"] for r in rs),
                     "acc": [r["acc"] for r in rs], "same_mean": statistics.mean(r["same"] for r in rs),
@@ -216,7 +256,12 @@ def speed_part(args, work: str) -> dict:
                       initializer_range=0.05).eval()
     gen = torch.Generator().manual_seed(0)
     results: dict = {"model": {"hidden": H, "layers": args.wide_layers, "intermediate": 3 * H}, "formats": {}}
+    _, keep = run_dirs(args)
     for fmt in filter(None, args.formats.split(",")):
+        if keep and os.path.exists(os.path.join(keep, f"{fmt}.json")):
+            results["formats"][fmt] = remembered(os.path.join(keep, f"{fmt}.json"), None)
+            print(f"{fmt}: {json.dumps(results['formats'][fmt])} (an earlier run's)", flush=True)
+            continue
         import copy
 
         fq = copy.deepcopy(fp)
@@ -249,7 +294,7 @@ def speed_part(args, work: str) -> dict:
         a = greedy(served, tok, prompts, 24, True)
         b = greedy(fq, tok, prompts, 24, None)
         row["greedy_same_as_fake_quant"] = sum(x == y for x, y in zip(a, b)) / len(prompts)
-        results["formats"][fmt] = row
+        results["formats"][fmt] = remembered(os.path.join(keep, f"{fmt}.json") if keep else None, lambda row=row: row)
         print(f"{fmt}: {json.dumps(row)}", flush=True)
     return results
 
@@ -285,8 +330,54 @@ def main(argv=None) -> int:
             print_speed(out["speed"])
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    if args.results:
+        write_tables(out, os.path.dirname(os.path.abspath(args.results)))
     print(json.dumps(out))
     return 0
+
+
+def render(out: dict) -> str:
+    """qad.md: the accuracy and speed tables of a run, from its JSON."""
+    a = out["args"]
+    lines = ["# Quantization-aware distillation (generated by benchmarks/qad.py)", ""]
+    if "accuracy" in out:
+        t = out["accuracy"]
+        labels = ["PTQ", *METHODS]
+        sft = f"; the FP model after the same steps of SFT: {t['FP-SFT']['acc_mean']:.3f}" if "FP-SFT" in t else ""
+        lines += [f"Held-out accuracy (n = {a['eval_n']}, greedy) of each export reloaded through the serving door "
+                  f"(the low-bit path), mean over seeds {a['seeds']}; the fake-quant model as the trainer evaluates "
+                  f"it in brackets. {a['steps']} steps, batch {a['batch_size']}, lr {a['lr']:g}. FP (the starting "
+                  f"model): {t['FP']:.3f}{sft}.", "",
+                  "| format | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+        for fmt, entry in t["formats"].items():
+            lines.append(f"| {fmt} | " + " | ".join(
+                f"{entry[l]['acc_mean']:.3f} ({entry[l]['fq_mean']:.3f})" for l in labels if l in entry) + " |")
+    if "speed" in out:
+        m = out["speed"]["model"]
+        lines += ["", f"The low-bit path on a {m['hidden']}-wide, {m['layers']}-block random model, "
+                      f"{a['threads']} thread(s), best of {a['repeats']}: tokens/s low-bit / fp32 (speedup).", "",
+                  "| format | weight bytes vs fp32 | prefill b1 | decode b1 | prefill b32 | decode b32 | greedy = fake-quant |",
+                  "|---|---|---|---|---|---|---|"]
+        for fmt, r in out["speed"]["formats"].items():
+            cells = []
+            for b in (1, 32):
+                for phase in ("prefill", "decode"):
+                    x = r[f"batch{b}"]
+                    cells.append(f"{x['lowbit'][phase + '_tok_s']:.0f} / {x['fp'][phase + '_tok_s']:.0f} "
+                                 f"({x[phase + '_speedup']:.2f}x)")
+            lines.append(f"| {fmt} | {r['weight_bytes_ratio']:.3f} | " + " | ".join(cells)
+                         + f" | {r['greedy_same_as_fake_quant']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_tables(out: dict, where: str) -> None:
+    """qad.json and qad.md under `where`, each written aside and renamed into place."""
+    os.makedirs(where, exist_ok=True)
+    for name, text in (("qad.json", json.dumps(out, indent=1)), ("qad.md", render(out))):
+        path = os.path.join(where, name)
+        with open(path + ".tmp", "w") as fh:
+            fh.write(text)
+        os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
