@@ -61,7 +61,7 @@ def widen(model, factor: int):
     from models.skipper import SkipperSpec, apply_skipper, skipper_state
 
     c = model.config
-    C, I, H, Hk, D = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    C, I, H, Hk = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads
     cfg = copy.deepcopy(c)
     cfg.hidden_size, cfg.intermediate_size = C * factor, I * factor
     cfg.num_attention_heads, cfg.num_key_value_heads = H * factor, Hk * factor
