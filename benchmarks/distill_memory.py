@@ -53,7 +53,7 @@ def run_mode(mode: str, tokens: int, views: int, chunk: int, hidden: int) -> dic
     teacher_hidden = torch.randn(1, tokens, views, hidden)
     teacher_head = (model.lm_head.weight.detach().clone(), None)
     # the mean of the views: the posterior default also needs each view's evidence, which this
-    # synthetic batch does not have, and costs the same memory per chunk
+    # synthetic batch does not have (its memory is not what this measures)
     cfg = MASSConfig(temperature=1.1, loss_chunk_tokens=chunk, aggregate="mean")
     baseline = peak_mb()
     started = time.perf_counter()
