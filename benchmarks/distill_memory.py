@@ -129,12 +129,9 @@ def render(summary: dict) -> str:
 
 def write_results(summary: dict, out: str) -> None:
     """distill_memory.json and .md under `out`, each written aside and renamed into place."""
-    os.makedirs(out, exist_ok=True)
-    for name, text in (("distill_memory.json", json.dumps(summary, indent=1)), ("distill_memory.md", render(summary))):
-        path = os.path.join(out, name)
-        with open(path + ".tmp", "w") as fh:
-            fh.write(text)
-        os.replace(path + ".tmp", path)
+    from benchmarks.results_io import write_files
+
+    write_files(out, {"distill_memory.json": json.dumps(summary, indent=1), "distill_memory.md": render(summary)})
 
 
 if __name__ == "__main__":

@@ -117,13 +117,10 @@ def render(r: dict) -> str:
 
 def write_results(r: dict, out: str) -> None:
     """grpo_skip-zeroN.json and .md under `out`, each written aside and renamed into place."""
-    os.makedirs(out, exist_ok=True)
+    from benchmarks.results_io import write_files
+
     stem = f"grpo_skip-zero{r['zero_micro_batches']}"
-    for name, text in ((stem + ".json", json.dumps(r, indent=1)), (stem + ".md", render(r))):
-        path = os.path.join(out, name)
-        with open(path + ".tmp", "w") as fh:
-            fh.write(text)
-        os.replace(path + ".tmp", path)
+    write_files(out, {stem + ".json": json.dumps(r, indent=1), stem + ".md": render(r)})
 
 
 if __name__ == "__main__":

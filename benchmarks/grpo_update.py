@@ -159,13 +159,10 @@ def render(results: dict) -> str:
 
 def write_results(results: dict, out: str) -> None:
     """grpo_update.json and .md under `out`, each written aside and renamed into place."""
-    os.makedirs(out, exist_ok=True)
-    for name, text in (("grpo_update.json", json.dumps(results, indent=1, default=float)),
-                       ("grpo_update.md", render(results))):
-        path = os.path.join(out, name)
-        with open(path + ".tmp", "w") as fh:
-            fh.write(text)
-        os.replace(path + ".tmp", path)
+    from benchmarks.results_io import write_files
+
+    write_files(out, {"grpo_update.json": json.dumps(results, indent=1, default=float),
+                      "grpo_update.md": render(results)})
 
 
 if __name__ == "__main__":

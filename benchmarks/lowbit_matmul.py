@@ -129,11 +129,9 @@ def render(report: dict) -> str:
 
 def write_results(report: dict, out: Path) -> None:
     """lowbit_matmul.json and .md under `out`, each written aside and renamed into place."""
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in (("lowbit_matmul.json", json.dumps(report, indent=1)), ("lowbit_matmul.md", render(report))):
-        tmp = out / (name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(out / name)
+    from benchmarks.results_io import write_files
+
+    write_files(out, {"lowbit_matmul.json": json.dumps(report, indent=1), "lowbit_matmul.md": render(report)})
 
 
 if __name__ == "__main__":

@@ -84,10 +84,9 @@ def remembered(path: str | None, run):
             return json.load(fh)
     result = run()
     if path:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w") as fh:
-            json.dump(result, fh)
-        os.replace(path + ".tmp", path)
+        from benchmarks.results_io import write_files
+
+        write_files(os.path.dirname(path), {os.path.basename(path): json.dumps(result)})
     return result
 
 
@@ -225,15 +224,6 @@ def accuracy_part(args, work: str) -> dict:
     return table
 
 
-def print_accuracy(table: dict) -> None:
-    labels = ["PTQ", *METHODS]
-    sft = f", FP + the same steps of SFT {table['FP-SFT']['acc_mean']:.3f}" if "FP-SFT" in table else ""
-    print(f"\nheld-out accuracy after export + reload (mean over seeds; fake-quant in brackets); FP {table['FP']:.3f}{sft}")
-    print("format " + "".join(f"{l:>22s}" for l in labels))
-    for fmt, entry in table["formats"].items():
-        cells = [f"{entry[l]['acc_mean']:.3f} ({entry[l]['fq_mean']:.3f})" for l in labels]
-        print(f"{fmt:6s} " + "".join(f"{c:>22s}" for c in cells))
-
 
 # --- part 2: speed and size of the low-bit path ------------------------------------------------------------
 
@@ -299,20 +289,6 @@ def speed_part(args, work: str) -> dict:
     return results
 
 
-def print_speed(res: dict) -> None:
-    m = res["model"]
-    print(f"\nlow-bit runtime path, width {m['hidden']} x {m['layers']} blocks (tokens/s, low-bit / fp32 = speedup)")
-    print("format  bytes   prefill b1          decode b1           prefill b32          decode b32          greedy=")
-    for fmt, r in res["formats"].items():
-        cells = []
-        for b in (1, 32):
-            for phase in ("prefill", "decode"):
-                x = r[f"batch{b}"]
-                cells.append(f"{x['lowbit'][phase + '_tok_s']:.0f}/{x['fp'][phase + '_tok_s']:.0f} "
-                             f"x{x[phase + '_speedup']:.2f}")
-        print(f"{fmt:6s}  {r['weight_bytes_ratio']:.3f}  " + "  ".join(f"{c:18s}" for c in cells)
-              + f"  {r['greedy_same_as_fake_quant']:.2f}")
-
 
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -324,14 +300,13 @@ def main(argv=None) -> int:
     try:
         if not args.skip_accuracy:
             out["accuracy"] = accuracy_part(args, work)
-            print_accuracy(out["accuracy"])
         if not args.skip_speed:
             out["speed"] = speed_part(args, work)
-            print_speed(out["speed"])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.results:
         write_tables(out, os.path.dirname(os.path.abspath(args.results)))
+    print("\n" + render(out))
     print(json.dumps(out))
     return 0
 
@@ -372,12 +347,9 @@ def render(out: dict) -> str:
 
 def write_tables(out: dict, where: str) -> None:
     """qad.json and qad.md under `where`, each written aside and renamed into place."""
-    os.makedirs(where, exist_ok=True)
-    for name, text in (("qad.json", json.dumps(out, indent=1)), ("qad.md", render(out))):
-        path = os.path.join(where, name)
-        with open(path + ".tmp", "w") as fh:
-            fh.write(text)
-        os.replace(path + ".tmp", path)
+    from benchmarks.results_io import write_files
+
+    write_files(where, {"qad.json": json.dumps(out, indent=1), "qad.md": render(out)})
 
 
 if __name__ == "__main__":

@@ -279,11 +279,9 @@ def render_tables(result: dict) -> str:
 
 def write_table(json_path: Path) -> None:
     """real_model.md beside a run's real_model.json, written aside and renamed into place."""
-    result = json.loads(json_path.read_text())
-    md = json_path.with_suffix(".md")
-    tmp = md.with_suffix(".md.tmp")
-    tmp.write_text(render_tables(result))
-    tmp.replace(md)
+    from benchmarks.results_io import write_files
+
+    write_files(json_path.parent, {json_path.stem + ".md": render_tables(json.loads(json_path.read_text()))})
 
 
 if __name__ == "__main__":

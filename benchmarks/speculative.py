@@ -297,12 +297,9 @@ def render(report: dict) -> str:
 
 def write_results(report: dict, out: str) -> None:
     """speculative.json and speculative.md under `out`, each written aside and renamed into place."""
-    os.makedirs(out, exist_ok=True)
-    for name, text in (("speculative.json", json.dumps(report, indent=1)), ("speculative.md", render(report))):
-        where = os.path.join(out, name)
-        with open(where + ".tmp", "w") as fh:
-            fh.write(text)
-        os.replace(where + ".tmp", where)
+    from benchmarks.results_io import write_files
+
+    write_files(out, {"speculative.json": json.dumps(report, indent=1), "speculative.md": render(report)})
 
 
 def _hf_assisted(model, small, prompts, args, temperature, eos) -> dict:
