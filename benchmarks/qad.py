@@ -44,9 +44,12 @@ import statistics
 import sys
 import tempfile
 import time
+import zlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from benchmarks.results_io import remembered, write_files  # noqa: E402
 
 METHODS = {"QAT": "qat", "QAD": "qad", "Theseus": "theseus", "Theseus-QAT": "theseus_qat"}
 
@@ -74,20 +77,6 @@ def parse_args(argv=None):
                    help="one JSON file per finished run, under a folder named by the settings; a rerun skips the "
                         "runs found there ('' keeps nothing); qad.json and qad.md (the tables) go beside the folder")
     return p.parse_args(argv)
-
-
-def remembered(path: str | None, run):
-    """The result of `run()`, read from `path` when an earlier run finished it, else computed and
-    written there (aside, then renamed: a file there is always a finished run's)."""
-    if path and os.path.exists(path):
-        with open(path) as fh:
-            return json.load(fh)
-    result = run()
-    if path:
-        from benchmarks.results_io import write_files
-
-        write_files(os.path.dirname(path), {os.path.basename(path): json.dumps(result)})
-    return result
 
 
 def run_dirs(args) -> tuple[str | None, str | None]:
@@ -224,7 +213,6 @@ def accuracy_part(args, work: str) -> dict:
     return table
 
 
-
 # --- part 2: speed and size of the low-bit path ------------------------------------------------------------
 
 
@@ -244,16 +232,15 @@ def speed_part(args, work: str) -> dict:
     fp = random_qwen3(len(tok), hidden_size=H, num_layers=args.wide_layers, num_heads=H // 64,
                       intermediate_size=3 * H, max_positions=args.prefill_len + args.decode_tokens + 8,
                       initializer_range=0.05).eval()
-    gen = torch.Generator().manual_seed(0)
     results: dict = {"model": {"hidden": H, "layers": args.wide_layers, "intermediate": 3 * H}, "formats": {}}
     _, keep = run_dirs(args)
-    for fmt in filter(None, args.formats.split(",")):
-        if keep and os.path.exists(os.path.join(keep, f"{fmt}.json")):
-            results["formats"][fmt] = remembered(os.path.join(keep, f"{fmt}.json"), None)
-            print(f"{fmt}: {json.dumps(results['formats'][fmt])} (an earlier run's)", flush=True)
-            continue
+
+    def measure(fmt: str) -> dict:
         import copy
 
+        # prompts drawn per format, so a rerun that skips a finished format times the others on the
+        # prompts an uninterrupted run would have used
+        gen = torch.Generator().manual_seed(zlib.crc32(fmt.encode()))
         fq = copy.deepcopy(fp)
         apply_fake_quant(fq, QuantScheme.parse(fmt))
         out = os.path.join(work, f"wide-{fmt}")
@@ -284,10 +271,13 @@ def speed_part(args, work: str) -> dict:
         a = greedy(served, tok, prompts, 24, True)
         b = greedy(fq, tok, prompts, 24, None)
         row["greedy_same_as_fake_quant"] = sum(x == y for x, y in zip(a, b)) / len(prompts)
-        results["formats"][fmt] = remembered(os.path.join(keep, f"{fmt}.json") if keep else None, lambda row=row: row)
-        print(f"{fmt}: {json.dumps(row)}", flush=True)
-    return results
+        return row
 
+    for fmt in filter(None, args.formats.split(",")):
+        results["formats"][fmt] = remembered(os.path.join(keep, f"{fmt}.json") if keep else None,
+                                             lambda fmt=fmt: measure(fmt))
+        print(f"{fmt}: {json.dumps(results['formats'][fmt])}", flush=True)
+    return results
 
 
 def main(argv=None) -> int:
@@ -347,8 +337,6 @@ def render(out: dict) -> str:
 
 def write_tables(out: dict, where: str) -> None:
     """qad.json and qad.md under `where`, each written aside and renamed into place."""
-    from benchmarks.results_io import write_files
-
     write_files(where, {"qad.json": json.dumps(out, indent=1), "qad.md": render(out)})
 
 

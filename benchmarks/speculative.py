@@ -156,7 +156,7 @@ def main() -> None:
     ap.add_argument("--eval-examples", type=int, default=100)
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/posttrain/bench-speculative"))
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results"),
-                    help="where speculative.json is written ('' for nowhere)")
+                    help="where speculative.json and .md (the table) are written ('' for nowhere)")
     ap.add_argument("--extra", nargs="*", default=[], help="more overrides for the SEED training run")
     args = ap.parse_args()
 

@@ -48,7 +48,7 @@ never more than max_new_tokens, logprobs = log_softmax(logits / T) over the full
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
@@ -94,8 +94,8 @@ class SpecStats:
 
     def add(self, other: "SpecStats") -> None:
         """Sum `other`'s counters into these (a server's totals over its calls)."""
-        for name in ("steps", "drafted", "accepted", "emitted", "rounds", "round_seconds"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 # ----------------------------------------------------------------------------- acceptance rules
