@@ -22,7 +22,9 @@ tokens each, random ids) + a `--query-tokens` query, on the tiny shape and a wid
 artifacts already in the cache (their one-time encoding is reported apart). Timed: everything from
 the request to the first token's logits -- writing the cached K/V with their relocation, any
 recompute, and the query prefill. Modes run round-robin `--repeats` times; the median is kept.
-One thread; last line JSON.
+One thread; last line JSON. Writes docs/results/attuner_ttft.{json,md} and
+docs/results/attuner_accuracy-NAME.{json,md} (NAME: tiny, or `--name`), one file per finished
+accuracy run under docs/results/attuner/NAME/ (a rerun skips those).
 
     python benchmarks/attuner.py                  # accuracy (trains attuner once per seed, cached) + TTFT
     python benchmarks/attuner.py --skip-accuracy  # TTFT only
@@ -154,33 +156,61 @@ def accuracy(server, tok, task, examples, max_new_tokens: int = 48) -> float:
                for ex, o in zip(examples, outs)) / len(examples)
 
 
-def measure_accuracy(args) -> dict:
+def measure_accuracy(args, kept=lambda name: None) -> dict:
+    """Accuracy per prefill mode and per Attuner seed, and the distribution gap. Each part is one
+    result file (`kept(name)`: its path, or None to keep nothing), so an interrupted run goes on."""
+    from benchmarks.results_io import remembered
     from inference.pic import PICServer, load_query_adapter
 
     model, tok, task = base_model(args.config)
     sets = {(split, kind): task.examples_of(split, kind)[: args.eval_examples] for split in SPLITS for kind in KINDS}
+    cells = {f"{kind}/{split}": ex for (split, kind), ex in sets.items()}
+    batches: dict = {}
+
+    def gap_of(student) -> dict:
+        if not batches:  # the teacher's full-prefill states, made once per cell for every student
+            batches.update({c: gap_batches(model, tok, task, ex) for c, ex in cells.items()})
+        return {c: distribution_gap(student, b) for c, b in batches.items()}
+
     table: dict = {}
     for mode in args.modes:
-        server = PICServer(model, tok, PICConfig(mode=mode), adapter={})
-        table[mode] = {f"{kind}/{split}": accuracy(server, tok, task, ex) for (split, kind), ex in sets.items()}
+        def run_mode(mode=mode):
+            server = PICServer(model, tok, PICConfig(mode=mode), adapter={})
+            return {c: accuracy(server, tok, task, ex) for c, ex in cells.items()}
+
+        table[mode] = remembered(kept(f"mode-{mode}"), run_mode)
         print(f"{mode:>12}: " + "  ".join(f"{k} {v:.3f}" for k, v in table[mode].items()), flush=True)
-    runs, adapters = [], []
+    dist = {"pic": remembered(kept("kl-pic"), lambda: gap_of(model))}
+    print("  kl pic: " + "  ".join(f"{c} {v[0]:.4f}/{v[1]:.3f}" for c, v in dist["pic"].items()), flush=True)
+    runs = []
     for seed in range(args.seeds):
-        adapters.append(train(args, seed))
-        deltas = load_query_adapter(model, adapters[-1])
-        server = PICServer(model, tok, PICConfig(mode="pic"), adapter=deltas)
-        runs.append({f"{kind}/{split}": accuracy(server, tok, task, ex) for (split, kind), ex in sets.items()})
+        def run_seed(seed=seed):
+            from peft import PeftModel
+
+            path = train(args, seed)
+            server = PICServer(model, tok, PICConfig(mode="pic"), adapter=load_query_adapter(model, path))
+            acc = {c: accuracy(server, tok, task, ex) for c, ex in cells.items()}
+            student = PeftModel.from_pretrained(model, path).eval()
+            try:
+                return {"accuracy": acc, "kl": gap_of(student)}
+            finally:
+                student.unload()
+
+        res = remembered(kept(f"attuner-s{seed}-n{args.steps}"), run_seed)
+        runs.append(res["accuracy"])
+        dist[f"attuner_s{seed}"] = res["kl"]
         print(f"  attuner s{seed}: " + "  ".join(f"{k} {v:.3f}" for k, v in runs[-1].items()), flush=True)
-    dist = measure_gap(args, model, tok, task, {f"{kind}/{split}": ex for (split, kind), ex in sets.items()}, adapters)
+        print(f"  kl attuner s{seed}: " + "  ".join(f"{c} {v[0]:.4f}/{v[1]:.3f}" for c, v in res["kl"].items()),
+              flush=True)
     att = [row for name, row in dist.items() if name.startswith("attuner")]
     # share of naive PIC's KL that Attuner removes; only where there is a gap to close (>= KL_FLOOR)
     kl_closed = {c: 1 - statistics.mean(r[c][0] for r in att) / dist["pic"][c][0]
                  if dist["pic"][c][0] >= KL_FLOOR else None for c in dist["pic"]} if att else {}
-    cells = list(runs[0]) if runs else []
-    table["attuner"] = {c: statistics.mean(r[c] for r in runs) for c in cells}
-    table["attuner_std"] = {c: statistics.pstdev([r[c] for r in runs]) if len(runs) > 1 else 0.0 for c in cells}
+    table["attuner"] = {c: statistics.mean(r[c] for r in runs) for c in cells} if runs else {}
+    table["attuner_std"] = {c: statistics.pstdev([r[c] for r in runs]) if len(runs) > 1 else 0.0
+                            for c in cells} if runs else {}
     recovered = {}
-    for c in cells:
+    for c in cells if runs else ():
         gap = table["full"][c] - table["pic"][c]
         recovered[c] = (table["attuner"][c] - table["pic"][c]) / gap if gap > 0 else None
     return {"n_per_cell": args.eval_examples, "steps": args.steps, "seeds": args.seeds, "table": table,
@@ -217,24 +247,6 @@ def distribution_gap(student, batches) -> tuple[float, float]:
         agree += float(out.metrics["attuner/student_top1_agree"]) * n
         tokens += n
     return kl / tokens, agree / tokens
-
-
-def measure_gap(args, model, tok, task, sets, adapters) -> dict:
-    """The distribution gap per cell for naive PIC and each Attuner seed (see distribution_gap)."""
-    from peft import PeftModel
-
-    batches = {c: gap_batches(model, tok, task, ex) for c, ex in sets.items()}
-    out = {"pic": {c: distribution_gap(model, b) for c, b in batches.items()}}
-    print("  kl pic: " + "  ".join(f"{c} {v[0]:.4f}/{v[1]:.3f}" for c, v in out["pic"].items()), flush=True)
-    for seed, path in enumerate(adapters):
-        student = PeftModel.from_pretrained(model, path).eval()
-        try:
-            out[f"attuner_s{seed}"] = {c: distribution_gap(student, b) for c, b in batches.items()}
-        finally:
-            student.unload()
-        print(f"  kl attuner s{seed}: " + "  ".join(f"{c} {v[0]:.4f}/{v[1]:.3f}"
-                                                 for c, v in out[f"attuner_s{seed}"].items()), flush=True)
-    return out
 
 
 def print_accuracy(res: dict) -> None:
@@ -285,22 +297,115 @@ def main() -> None:
                     help="config overrides for the base model and task, and the attuner runs (e.g. a real model: "
                          "model=hf model.path=DIR data.n_artifacts=4)")
     ap.add_argument("--extra", nargs="*", default=[], help="extra train.py overrides for the attuner runs only")
+    ap.add_argument("--name", default=None,
+                    help="the accuracy results' name (default: tiny without --config / --extra, else a hash of them)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results"),
+                    help="attuner_ttft.{json,md} and attuner_accuracy-NAME.{json,md} go here, one file per "
+                         "finished accuracy run under attuner/NAME/ (a rerun skips those); '' writes nothing")
     args = ap.parse_args()
     if not {"full", "pic"} <= set(args.modes):
         ap.error(f"--modes must include full and pic (the reference and the baseline), got {' '.join(args.modes)}")
+    from benchmarks.results_io import provenance, write_files
+
     torch.set_num_threads(args.threads)
+    name = args.name or results_name(args)
+    meta = provenance()
     report: dict = {"threads": args.threads}
     if not args.skip_accuracy:
-        res = measure_accuracy(args)
+        def kept(part: str):
+            return os.path.join(args.out, "attuner", name, part + ".json") if args.out else None
+
+        res = measure_accuracy(args, kept)
         print_accuracy(res)
         report["accuracy"] = res
+        if args.out:
+            acc = {"name": name, "config": args.config, "extra": args.extra, "meta": meta, **res}
+            write_files(args.out, {f"attuner_accuracy-{name}.json": json.dumps(acc, indent=1),
+                                   f"attuner_accuracy-{name}.md": render_accuracy(acc)})
     if not args.skip_ttft:
         report["ttft"] = []
         for shape in ("tiny", args.wide):
             res = measure_ttft(shape, args.counts, args.artifact_tokens, args.query_tokens, args.repeats)
             print_ttft(res)
             report["ttft"].append(res)
+        if args.out:
+            ttft = {"meta": meta, "threads": args.threads, "repeats": args.repeats, "artifact_tokens": args.artifact_tokens,
+                    "query_tokens": args.query_tokens, "shapes": report["ttft"]}
+            write_files(args.out, {"attuner_ttft.json": json.dumps(ttft, indent=1), "attuner_ttft.md": render_ttft(ttft)})
     print(json.dumps(report))
+
+
+def results_name(args) -> str:
+    """tiny for the default model and runs; otherwise a short hash of the overrides that change them."""
+    if not args.config and not args.extra:
+        return "tiny"
+    import hashlib
+
+    return "cfg-" + hashlib.sha1(json.dumps([args.config, args.extra]).encode()).hexdigest()[:8]
+
+
+CELL_NAMES = {"single/test": "single", "select/test": "select", "combine/test": "combine",
+              "single/test_ood": "single, held-out tables", "select/test_ood": "select, held-out",
+              "combine/test_ood": "combine, held-out"}
+
+
+def render_accuracy(res: dict) -> str:
+    """docs/results/attuner_accuracy-NAME.md from its JSON."""
+    from benchmarks.results_io import provenance_line
+
+    table, cells = res["table"], list(res["table"]["full"])
+    head = "| {} | " + " | ".join(CELL_NAMES.get(c, c) for c in cells) + " |"
+    rule = "|" + "---|" * (1 + len(cells))
+    setting = " ".join(res["config"]) or "the tiny default warm-started on data=artifacts"
+    lines = [f"# PIC and Attuner accuracy: {res['name']} (generated by benchmarks/attuner.py)", "",
+             provenance_line(res.get("meta")), "",
+             f"Model and task: {setting}; Attuner `+algo=attuner` {res['steps']} steps per seed"
+             + (f" with `{' '.join(res['extra'])}`" if res["extra"] else "") + f", {res['seeds']} seeds. Greedy "
+             f"accuracy on {res['n_per_cell']} held-out questions per cell.", "", head.format("mode"), rule]
+    for mode, row in table.items():
+        if mode in ("attuner_std",) or not row:
+            continue
+        std = table.get("attuner_std", {}) if mode == "attuner" else {}
+        label = f"attuner ({res['seeds']} seeds, mean ± std)" if mode == "attuner" else mode
+        lines.append("| " + " | ".join([label] + [f"{row[c]:.2f}" + (f" ± {std[c]:.2f}" if c in std else "")
+                                                   for c in cells]) + " |")
+    rec = res.get("gap_recovered") or {}
+    if rec:
+        lines.append("| share of the full-vs-PIC accuracy gap recovered | "
+                     + " | ".join("—" if rec.get(c) is None else f"{rec[c]:.2f}" for c in cells) + " |")
+    lines += ["", "Distribution gap to full prefill over the held-out worked solutions (teacher-forced, Attuner's "
+                  "own objective): mean next-token KL(full prefill ‖ student over the cache) in nats per token, "
+                  "top-1 agreement in brackets.", "", head.format("student"), rule]
+    for student, row in res["distribution_gap"].items():
+        lines.append("| " + " | ".join([student] + [f"{row[c][0]:.1e} ({row[c][1]:.3f})" for c in cells]) + " |")
+    closed = res.get("kl_gap_closed") or {}
+    if closed:
+        lines.append(f"| share of PIC's KL removed (KL ≥ {KL_FLOOR:g} only) | "
+                     + " | ".join("—" if closed.get(c) is None else f"{closed[c]:.2f}" for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render_ttft(res: dict) -> str:
+    """docs/results/attuner_ttft.md from its JSON."""
+    from benchmarks.results_io import provenance_line
+
+    lines = ["# Time to first token over cached artifacts (generated by benchmarks/attuner.py)", "",
+             provenance_line(res.get("meta")), "",
+             f"One request of N artifacts of {res['artifact_tokens']} random tokens and a {res['query_tokens']}-token "
+             f"query, artifacts already cached; everything from the request to the first token's logits is timed "
+             f"(writing and relocating the cached K/V, any recompute, the query prefill); {res['threads']} thread(s), "
+             f"median of {res['repeats']} rounds run round-robin."]
+    for shape in res["shapes"]:
+        lines += ["", f"## {shape['shape']} ({shape['params_m']:.1f}M parameters)", "",
+                  f"Encoding all artifacts once: {shape['encode_all_ms']:.0f} ms; relocation check KL "
+                  f"{shape['probe_kl']:.1e}.", "",
+                  "| artifacts | context tokens | " + " | ".join(f"{m} ms" for m in TTFT_MODES) + " | "
+                  + " | ".join(f"{m} speedup" for m in TTFT_MODES[1:]) + " |", "|" + "---|" * (1 + 2 * len(TTFT_MODES))]
+        for n, row in shape["by_count"].items():
+            lines.append("| " + " | ".join([str(n), str(row["context_tokens"])]
+                                           + [f"{row['ms'][m]:.2f}" for m in TTFT_MODES]
+                                           + [f"{row['speedup_vs_full'][m]:.2f}x" for m in TTFT_MODES[1:]]) + " |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

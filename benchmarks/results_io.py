@@ -28,3 +28,34 @@ def remembered(path: Optional[str], run: Callable[[], Any]) -> Any:
     if path:
         write_files(os.path.dirname(path), {os.path.basename(path): json.dumps(result)})
     return result
+
+
+def provenance() -> dict:
+    """When, where and how a result was measured: UTC date, the command line, the machine (cores and
+    the CPU's vector ISA as torch sees it), torch's version and the checkout's commit."""
+    import platform
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), root) if sys.argv and sys.argv[0] else "?"
+    return {"date": time.strftime("%Y-%m-%d", time.gmtime()), "command": " ".join(["python", script, *sys.argv[1:]]),
+            "cores": os.cpu_count(), "cpu": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
+            "torch": torch.__version__, "commit": commit}
+
+
+def provenance_line(meta: Optional[dict]) -> str:
+    """One markdown line naming a result's command, date and machine (empty when the JSON has none)."""
+    if not meta:
+        return ""
+    at = f" at commit {meta['commit']}" if meta.get("commit") else ""
+    return (f"*Measured {meta['date']} on {meta['cores']} {meta['machine']} cores ({meta['cpu']}), torch "
+            f"{meta['torch']}{at}: `{meta['command']}`*")

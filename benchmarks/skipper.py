@@ -23,10 +23,11 @@ probability f, routers still computed) swept over f for routed and naive against
 Speed is decode only: each setting prefills held-out prompts (not timed; prefill runs masked) and
 then times `--new-tokens` greedy decode steps (no early stop). Variants of one setting run
 round-robin `--repeats` times and keep their fastest pass (so the cost gate's one-time calibration
-is not in the figure). One thread; last line JSON.
+is not in the figure). One thread; last line JSON. Writes docs/results/skipper.{json,md}, one
+file per finished run under docs/results/skipper/ (a rerun skips those).
 
     python benchmarks/skipper.py                          # build, train (cached), measure
-    python benchmarks/skipper.py --targets 0.5 --extra algo.alpha=1.0 trainer.lr=2e-3 algo.decision_grad=true algo.gate=hard
+    python benchmarks/skipper.py --targets 0.25 0.5 --extra algo.gate=soft algo.decision_grad=false
 """
 from __future__ import annotations
 
@@ -195,10 +196,8 @@ def base_dir(args) -> str:
 
 def train(args, target: float) -> str:
     """final/ of a `+algo=skipper` run at `target` (cached by its settings in --workdir)."""
-    extra = [f"algo.target_skip={target}", *args.extra]
-    name = f"skip-t{target}-s{args.steps}" + ("-" + "-".join(args.extra) if args.extra else "")
-    name = "".join(c if c.isalnum() or c in "-." else "_" for c in name)  # a path Hydra accepts as a value
-    out = os.path.join(args.workdir, name)
+    extra = [f"algo.target_skip={target}", f"trainer.lr={args.lr}", *args.extra]
+    out = os.path.join(args.workdir, run_name(args, target))
     final = os.path.join(out, "final")
     if not os.path.exists(os.path.join(final, "skipper", "skipper.json")):
         cmd = [sys.executable, os.path.join(ROOT, "train.py"), "+algo=skipper", "model=hf", f"model.path={base_dir(args)}",
@@ -291,6 +290,31 @@ def crossing(points: list[tuple[float, float]]):
     return None
 
 
+def run_name(args, target: float) -> str:
+    """The name of a target's training run (its cache dir under --workdir)."""
+    name = f"skip-t{target}-s{args.steps}-lr{args.lr:g}" + ("-" + "-".join(args.extra) if args.extra else "")
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in name)  # a path Hydra accepts as a value
+
+
+def measure_target(args, target: float, tok, wide_base, prompts) -> dict:
+    """Train (cached) the skipper at `target`, then its held-out quality and decode speed."""
+    from inference.serving import load_served
+
+    final = train(args, target)
+    model = load_served(final).model  # the serving door: the base with its skipper/ routers
+    q = quality(model, tok, args)
+    wide = widen(model, args.widen) if args.widen > 1 else model
+    agree = _agreement(model, wide, prompts[:8], tok.eos_token_id)
+    speeds, decode_info = speed_table(wide_base, wide, prompts, args, tok.eos_token_id)
+    return {"accuracy": q["accuracy"], "n": q["n"], "skip_ratio": round(q["skip_ratio"], 4),
+            "layer_skip_ratio": round(q["layer_skip_ratio"], 4), "per_layer": q["per_layer"],
+            "wide_agreement": agree, "tokens_per_s": {str(b): {k: round(v, 1) for k, v in r.items()}
+                                                       for b, r in speeds.items()},
+            "speedup": {str(b): {k: round(v / r["dense"], 3) for k, v in r.items() if k != "dense"}
+                        for b, r in speeds.items()},
+            "decode": {str(b): v for b, v in decode_info.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/posttrain/bench-skipper"))
@@ -298,6 +322,9 @@ def main() -> None:
     ap.add_argument("--targets", type=float, nargs="+", default=[0.5])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--train-threads", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=2e-3,
+                    help="the skipper's lr (the base is a local HF dir, for which the trainer's default is the "
+                         "pretrained 1e-4; only the new routers and adapters train)")
     ap.add_argument("--extra", nargs="*", default=[], help="more train.py overrides for the skipper runs")
     ap.add_argument("--widen", type=int, default=4)
     ap.add_argument("--eval-examples", type=int, default=100)
@@ -305,51 +332,103 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 0.75, 1.0])
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results"),
+                    help="skipper.json / skipper.md go here, one file per finished run under skipper/ (a rerun "
+                         "skips those); '' writes nothing")
     args = ap.parse_args()
-    from inference.serving import load_served
+    from benchmarks.results_io import provenance, remembered
     from models.loading import load_pretrained
 
-    finals = {t: train(args, t) for t in args.targets}
+    def kept(name: str):
+        return os.path.join(args.out, "skipper", name + ".json") if args.out else None
+
+    meta = provenance()
     torch.set_num_threads(1)
     base, tok = load_pretrained(base_dir(args))
     base.eval()
-    eos = tok.eos_token_id
-    base_q = quality(base, tok, args)
+    base_q = remembered(kept(f"base-l{args.layers}-n{args.eval_examples}"),
+                        lambda: {k: v for k, v in quality(base, tok, args).items() if k in ("accuracy", "n")})
     print(f"base: accuracy {base_q['accuracy']:.3f} (n={base_q['n']})", flush=True)
     prompts = eval_prompts(tok, max(args.batches))
     wide_base = widen(base, args.widen) if args.widen > 1 else base
-    report = {"base_accuracy": base_q["accuracy"], "widen": args.widen, "targets": {}}
-    for target, final in finals.items():
-        model = load_served(final).model  # the serving door: the base with its skipper/ routers
-        q = quality(model, tok, args)
-        wide = widen(model, args.widen) if args.widen > 1 else model
-        agree = _agreement(model, wide, prompts[:8], eos)
-        speeds, decode_info = speed_table(wide_base, wide, prompts, args, eos)
-        entry = {"accuracy": q["accuracy"], "skip_ratio": round(q["skip_ratio"], 4),
-                 "layer_skip_ratio": round(q["layer_skip_ratio"], 4), "per_layer": q["per_layer"],
-                 "wide_agreement": agree, "tokens_per_s": {str(b): {k: round(v, 1) for k, v in r.items()}
-                                                            for b, r in speeds.items()},
-                 "speedup": {str(b): {k: round(v / r["dense"], 3) for k, v in r.items() if k != "dense"}
-                             for b, r in speeds.items()},
-                 "decode": {str(b): v for b, v in decode_info.items()}}
-        report["targets"][str(target)] = entry
-        print(f"target {target}: accuracy {q['accuracy']:.3f} vs base {base_q['accuracy']:.3f}; skipped "
-              f"{q['skip_ratio']:.1%} of routed / {q['layer_skip_ratio']:.1%} of all layer-tokens; per layer "
-              f"{q['per_layer']}; widened x{args.widen} greedy agreement {agree:.2f}", flush=True)
-        for b, r in speeds.items():
-            print(f"  batch {b:>2}: decode skip {decode_info[b]['skip_ratio']:.1%}; dense {r['dense']:.0f} tok/s | "
-                  + " | ".join(f"{k} {v:.0f} (x{v / r['dense']:.2f})" for k, v in r.items() if k != "dense")
-                  + f" | auto ran {decode_info[b]['auto_executed']}", flush=True)
-    wide_skip = copy.deepcopy(wide_base)
-    from models.skipper import apply_skipper, make_spec
+    report = {"base_accuracy": base_q["accuracy"], "widen": args.widen, "args": vars(args), "meta": meta,
+              "targets": {}}
+    for target in args.targets:
+        def run(target=target):
+            torch.set_num_threads(1)
+            return measure_target(args, target, tok, wide_base, prompts)
 
-    apply_skipper(wide_skip, make_spec(wide_skip.config))
-    sweep = break_even(wide_base, wide_skip, prompts, args)
-    report["synthetic"] = {str(b): v for b, v in sweep.items()}
-    for b, v in sweep.items():
+        entry = remembered(kept(f"{run_name(args, target)}-w{args.widen}"), run)
+        report["targets"][str(target)] = entry
+        print(f"target {target}: accuracy {entry['accuracy']:.3f} vs base {base_q['accuracy']:.3f}; skipped "
+              f"{entry['skip_ratio']:.1%} of routed / {entry['layer_skip_ratio']:.1%} of all layer-tokens; per "
+              f"layer {entry['per_layer']}; widened x{args.widen} greedy agreement {entry['wide_agreement']:.2f}",
+              flush=True)
+        for b, r in entry["tokens_per_s"].items():
+            info = entry["decode"][b]
+            print(f"  batch {b:>2}: decode skip {info['skip_ratio']:.1%}; dense {r['dense']:.0f} tok/s | "
+                  + " | ".join(f"{k} {v:.0f} (x{v / r['dense']:.2f})" for k, v in r.items() if k != "dense")
+                  + f" | auto ran {info['auto_executed']}", flush=True)
+
+    def sweep_all():
+        from models.skipper import apply_skipper, make_spec
+
+        wide_skip = copy.deepcopy(wide_base)
+        apply_skipper(wide_skip, make_spec(wide_skip.config))
+        return {str(b): v for b, v in break_even(wide_base, wide_skip, prompts, args).items()}
+
+    report["synthetic"] = remembered(kept(f"synthetic-l{args.layers}-w{args.widen}"), sweep_all)
+    for b, v in report["synthetic"].items():
         print(f"synthetic policy, batch {b:>2}: break-even skip fraction of routed rows {v['break_even_f']}; "
               + ", ".join(f"{k} x{s:.2f}" for k, s in v["speedup"].items()), flush=True)
+    if args.out:
+        from benchmarks.results_io import write_files
+
+        write_files(args.out, {"skipper.json": json.dumps(report, indent=1), "skipper.md": render(report)})
     print(json.dumps(report))
+
+
+def render(report: dict) -> str:
+    """docs/results/skipper.md from the run's JSON."""
+    from benchmarks.results_io import provenance_line
+
+    a = report["args"]
+    lines = ["# Layer skipping (generated by benchmarks/skipper.py)", "", provenance_line(report.get("meta")), "",
+             f"Model: the {a['layers']}-layer identity-deepened warm start; skippers trained {a['steps']} steps "
+             f"at lr {a.get('lr', 0):g} (`{' '.join(a['extra']) or 'otherwise defaults'}`). Base held-out accuracy {report['base_accuracy']:.3f}. "
+             f"Speed on the model widened {report['widen']}x without changing its function, decode only "
+             f"({a['new_tokens']} steps after the prompts' prefill), one thread, best of {a['repeats']} "
+             "round-robin passes; ratios against dense."]
+    for target, e in report["targets"].items():
+        lines += ["", f"## target_skip {target}", "",
+                  f"Held-out accuracy {e['accuracy']:.3f} (n={e.get('n', a['eval_examples'])}) against the base's "
+                  f"{report['base_accuracy']:.3f}; skipped {e['skip_ratio']:.1%} of routed layer-tokens "
+                  f"({e['layer_skip_ratio']:.1%} of all); per routed layer {e['per_layer']}; the widened model's "
+                  f"greedy completions equal the narrow one's on {e['wide_agreement']:.0%} of "
+                  f"{min(8, max(a['batches']))} prompts.", "",
+                  "| decode tokens/s | dense (base) | naive (compute all, mix) | routed | auto (cost gate) "
+                  "| decode skip | auto executed |", "|---|---|---|---|---|---|---|"]
+        for b, r in e["tokens_per_s"].items():
+            cells = [f"batch {b}", f"{r['dense']:.1f}"]
+            cells += [f"{r[k]:.1f} (x{r[k] / r['dense']:.2f})" for k in ("naive", "routed", "auto")]
+            info = e["decode"][b]
+            cells += [f"{info['skip_ratio']:.1%}", ", ".join(f"{k} {v}" for k, v in info["auto_executed"].items())]
+            lines.append("| " + " | ".join(cells) + " |")
+    syn = report.get("synthetic") or {}
+    if syn:
+        fr = a["fractions"]
+        lines += ["", "## Synthetic policy", "",
+                  "Each routed row skips with probability f (routers still computed); speedup over dense per "
+                  "batch size, and the interpolated skip fraction where routed breaks even.", "",
+                  "| batch | " + " | ".join(f"routed f={f:g}" for f in fr) + " | "
+                  + " | ".join(f"naive f={f:g}" for f in fr) + " | break-even f |",
+                  "|" + "---|" * (2 + 2 * len(fr))]
+        for b, v in syn.items():
+            sp = v["speedup"]
+            lines.append("| " + " | ".join([b] + [f"x{sp[f'routed@{f}']:.2f}" for f in fr]
+                                           + [f"x{sp[f'masked@{f}']:.2f}" for f in fr]
+                                           + [str(v["break_even_f"])]) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _agreement(narrow, wide, prompts, eos) -> float:
