@@ -30,9 +30,10 @@ def remembered(path: Optional[str], run: Callable[[], Any]) -> Any:
     return result
 
 
-def provenance() -> dict:
-    """When, where and how a result was measured: UTC date, the command line, the machine (cores and
-    the CPU's vector ISA as torch sees it), torch's version and the checkout's commit."""
+def provenance(script: Optional[str] = None, argv: Optional[list] = None) -> dict:
+    """When, where and how a result was measured: UTC date, the command line (`script` and `argv`,
+    by default the process's own), the machine (cores and the CPU's vector ISA as torch sees it),
+    torch's version and the checkout's commit."""
     import platform
     import subprocess
     import sys
@@ -46,8 +47,10 @@ def provenance() -> dict:
                                 text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
-    script = os.path.relpath(os.path.abspath(sys.argv[0]), root) if sys.argv and sys.argv[0] else "?"
-    return {"date": time.strftime("%Y-%m-%d", time.gmtime()), "command": " ".join(["python", script, *sys.argv[1:]]),
+    script = script or (sys.argv[0] if sys.argv and sys.argv[0] else "?")
+    script = os.path.relpath(os.path.abspath(script), root) if script != "?" else script
+    argv = sys.argv[1:] if argv is None else argv
+    return {"date": time.strftime("%Y-%m-%d", time.gmtime()), "command": " ".join(["python", script, *map(str, argv)]),
             "cores": os.cpu_count(), "cpu": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
             "torch": torch.__version__, "commit": commit}
 
@@ -59,3 +62,16 @@ def provenance_line(meta: Optional[dict]) -> str:
     at = f" at commit {meta['commit']}" if meta.get("commit") else ""
     return (f"*Measured {meta['date']} on {meta['cores']} {meta['machine']} cores ({meta['cpu']}), torch "
             f"{meta['torch']}{at}: `{meta['command']}`*")
+
+
+def provenance_lines(meta: Optional[dict]) -> list[str]:
+    """The provenance line and a blank line, for a rendered file's head; nothing when the JSON has none."""
+    line = provenance_line(meta)
+    return [line, ""] if line else []
+
+
+def write_report(out_dir: str | os.PathLike, stem: str, report: dict, render: Callable[[dict], str]) -> None:
+    """STEM.json (the report, given its provenance under "meta" unless it has one) and STEM.md (the
+    report rendered) under `out_dir`, each written aside and renamed into place."""
+    report.setdefault("meta", provenance())
+    write_files(out_dir, {stem + ".json": json.dumps(report, indent=1, default=float), stem + ".md": render(report)})

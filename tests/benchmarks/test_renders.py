@@ -64,3 +64,33 @@ def test_attuner_tables():
     ttft = {"meta": META, "threads": 1, "repeats": 7, "artifact_tokens": 64, "query_tokens": 16, "shapes": [shape]}
     assert attuner.render_ttft(ttft).splitlines()[-1] == (
         "| 8 | 512 | 24.00 | 2.00 | 1.50 | 8.00 | 12.00 | 12.00x | 16.00x | 3.00x | 2.00x |")
+
+
+def renderers():
+    """{result file stem (or stem prefix ending in '-'): the render that turns its JSON into its .md}."""
+    from benchmarks import (compose, distill_memory, grpo_skip, grpo_update, lowbit_matmul, mass_teachers, qad,
+                            real_model, selfdistill_tokens, speculative)
+
+    return {"compose": compose.render, "distill_memory": distill_memory.render, "grpo_skip-": grpo_skip.render,
+            "grpo_update": grpo_update.render, "lowbit_matmul": lowbit_matmul.render, "mass_teachers": mass_teachers.render,
+            "qad": qad.render, "real_model": real_model.render_tables, "selfdistill_tokens-": selfdistill_tokens.render,
+            "speculative": speculative.render, "generate": generate.render, "skipper": skipper.render,
+            "attuner_ttft": attuner.render_ttft, "attuner_accuracy-": attuner.render_accuracy}
+
+
+def test_committed_result_tables_are_their_json_rendered():
+    """No committed table of these benchmarks was typed or edited by hand: each .md is its .json rendered."""
+    import json
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[2] / "docs" / "results"
+    checked = []
+    for stem, render in renderers().items():
+        paths = sorted(results.glob(stem + "*.json")) if stem.endswith("-") else [results / (stem + ".json")]
+        for path in [p for p in paths if p.exists()]:
+            md = path.with_suffix(".md")
+            assert md.exists(), f"{path.name} has no rendered {md.name}"
+            rendered = render(json.loads(path.read_text()))
+            assert md.read_text().rstrip("\n") == rendered.rstrip("\n"), f"{md.name} is not {path.name} rendered"
+            checked.append(path.name)
+    assert len(checked) >= 10, checked  # the committed ones at least
