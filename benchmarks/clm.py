@@ -435,9 +435,9 @@ def rl_run(job) -> dict:
         if proc.returncode != 0:
             raise SystemExit(f"rl run seed={seed} w_eff={w_eff} failed:\n{proc.stderr[-3000:]}")
         seconds = time.perf_counter() - started
-        with open(record + ".tmp", "w") as fh:
-            json.dump({"seconds": seconds, "overrides": overrides}, fh)
-        os.replace(record + ".tmp", record)
+        from benchmarks.results_io import write_files
+
+        write_files(os.path.dirname(record), {os.path.basename(record): json.dumps({"seconds": seconds, "overrides": overrides})})
     records = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     train = [r for r in records if r.get("split") == "train"]
     task, episodes = args.eval_task
@@ -461,10 +461,9 @@ def rl_run(job) -> dict:
 
 
 def write_result(results: str, path: str, result: dict) -> None:
-    os.makedirs(results, exist_ok=True)
-    with open(path + ".tmp", "w") as fh:
-        json.dump(result, fh, indent=1)
-    os.replace(path + ".tmp", path)  # published only when complete
+    from benchmarks.results_io import write_files
+
+    write_files(os.path.dirname(path), {os.path.basename(path): json.dumps(result, indent=1)})  # published only when complete
     with RENDER_LOCK:  # side-by-side runs finish together: one rewrite of the table at a time
         render(results)
 
@@ -504,11 +503,10 @@ def render(results: str) -> str:
                      f"{cs_cell} | {statistics.fmean(r['overflow'] for r in rs):.3f} | {pair('train_success')} | "
                      f"{pair('spread_share')} | {eff} | {statistics.fmean(r['seconds'] for r in rs):.0f} |")
     text = "\n".join(lines) + "\n"
+    from benchmarks.results_io import write_files
+
     stem = results.rstrip("/")
-    tmp = f"{stem}.md.{os.getpid()}.tmp"
-    with open(tmp, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, stem + ".md")
+    write_files(os.path.dirname(stem) or ".", {os.path.basename(stem) + ".md": text})
     return text
 
 

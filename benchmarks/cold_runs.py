@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.results_io import write_files  # noqa: E402
 RESULTS = ROOT / "docs" / "results" / "cold_runs"
 TABLE = ROOT / "docs" / "cold_runs.md"
 ALGOS = ("sft", "grpo", "opsd", "mass", "tesd", "seed", "qad", "skipper", "attuner", "clm")
@@ -123,9 +125,7 @@ def main(argv: list[str]) -> int:
                 continue
             print(f"{algo}: running cold ...", flush=True)
             result = run_one(algo, args.note)
-            tmp = path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(result, indent=1) + "\n")
-            os.replace(tmp, path)  # a finished run only
+            write_files(path.parent, {path.name: json.dumps(result, indent=1) + "\n"})  # a finished run only
             print(f"{algo}: {result['seconds']:.0f} s, exit code {result['exit_code']}: {result['summary']}", flush=True)
             render()
     render()

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.results_io import write_files  # noqa: E402
 RESULTS = ROOT / "docs" / "results" / "mass_designs"
 TABLE = ROOT / "docs" / "results" / "mass_designs.md"
 DESIGN_BUDGET = ["trainer.max_steps=100", "trainer.eval_every=50", "trainer.lr=1e-4"]  # the design comparison
@@ -129,9 +131,7 @@ def main() -> None:
                 print(f"{name}: done earlier, skipped", flush=True)
                 continue
             result = run_one(name, overrides)
-            tmp = path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(result, indent=1))
-            os.replace(tmp, path)  # published only when complete
+            write_files(path.parent, {path.name: json.dumps(result, indent=1)})  # published only when complete
             ev = result["evals"]
             print(f"{name}: {ev[0]['accuracy']:.3f} -> {ev[-1]['accuracy']:.3f} ({result['wall_s']:.0f}s)", flush=True)
             render()

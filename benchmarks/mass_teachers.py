@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -180,10 +179,9 @@ def main() -> None:
     for data in args.data or ["arith", "multipath"]:
         results.append(measure(data, args.questions, args.seed))
         print(json.dumps({k: v for k, v in results[-1].items() if k != "classes"}), flush=True)
-    for path, text in ((OUT_JSON, json.dumps(results, indent=1)), (OUT_MD, render(results) + "\n")):
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+    from benchmarks.results_io import write_files
+
+    write_files(OUT_JSON.parent, {OUT_JSON.name: json.dumps(results, indent=1), OUT_MD.name: render(results) + "\n"})
     print(render(results))
 
 

@@ -140,10 +140,9 @@ def main() -> None:
     for step in sorted(set(theirs) | set(mine)):
         cell = lambda e: f"{e['accuracy']:.3f} ({e['teacher_accuracy']:.3f})" if e else ""  # noqa: E731
         lines.append(f"| {step} | {cell(theirs.get(step))} | {cell(mine.get(step))} |")
-    for path, text in ((OUT_JSON, json.dumps(result, indent=1)), (OUT_MD, "\n".join(lines) + "\n")):
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+    from benchmarks.results_io import write_files
+
+    write_files(OUT_JSON.parent, {OUT_JSON.name: json.dumps(result, indent=1), OUT_MD.name: "\n".join(lines) + "\n"})
     print("\n".join(lines))
     print(json.dumps(result))
 

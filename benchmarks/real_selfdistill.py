@@ -115,10 +115,9 @@ def run(args, name: str, argv: list[str], out: str) -> dict:
               "overrides": portable(argv, args)}
     if train and "train/skipped_steps" in train[-1]:
         result["skipped_steps"] = int(train[-1]["train/skipped_steps"])  # cumulative: the run's empty steps
-    os.makedirs(args.results, exist_ok=True)
-    with open(record + ".tmp", "w") as fh:
-        json.dump(result, fh, indent=1)
-    os.replace(record + ".tmp", record)  # published only when complete
+    from benchmarks.results_io import write_files
+
+    write_files(os.path.dirname(record), {os.path.basename(record): json.dumps(result, indent=1)})  # once complete
     e0, e1 = evals[0], evals[-1]
     print(f"  {name}: {e0['accuracy']:.3f} -> {e1['accuracy']:.3f}"
           + (f" (teacher prompt {e0['teacher_accuracy']:.3f} -> {e1['teacher_accuracy']:.3f})"
@@ -177,9 +176,9 @@ def render(results: str) -> str:
                                                           else "") for x in r["evals"])]
     text = "\n".join(lines) + "\n"
     out = os.path.join(os.path.dirname(os.path.abspath(results)), "real_selfdistill.md")
-    with open(out + ".tmp", "w") as fh:
-        fh.write(text)
-    os.replace(out + ".tmp", out)
+    from benchmarks.results_io import write_files
+
+    write_files(os.path.dirname(out), {os.path.basename(out): text})
     return text
 
 

@@ -12,9 +12,10 @@ def write_files(out_dir: str | os.PathLike, files: dict[str, str]) -> None:
     os.makedirs(out_dir, exist_ok=True)
     for name, text in files.items():
         path = os.path.join(out_dir, name)
-        with open(path + ".tmp", "w") as fh:
+        tmp = f"{path}.{os.getpid()}.tmp"  # one per process: runs side by side may rewrite the same table
+        with open(tmp, "w") as fh:
             fh.write(text)
-        os.replace(path + ".tmp", path)
+        os.replace(tmp, path)
 
 
 def remembered(path: Optional[str], run: Callable[[], Any]) -> Any:

@@ -173,10 +173,9 @@ def run_one(job) -> dict:
           f"({wall:.0f}s)", flush=True)
     if record:
         result["overrides"] = portable(argv)
-        os.makedirs(args.results, exist_ok=True)
-        with open(record + ".tmp", "w") as fh:
-            json.dump(result, fh, indent=1)
-        os.replace(record + ".tmp", record)  # published only when complete
+        from benchmarks.results_io import write_files
+
+        write_files(os.path.dirname(record), {os.path.basename(record): json.dumps(result, indent=1)})  # once complete
         with RENDER_LOCK:  # parallel workers finish together: one rewrite of the table at a time
             render(args.results, *getattr(args, "render_text", ()))
     return result
@@ -252,11 +251,10 @@ def render(results_dir: str, title: str = "Long self-distillation runs (generate
                 t = f"{teacher[step][0]:.3f} ± {teacher[step][1]:.3f}" if step in teacher else ""
                 lines.append(f"| {step} | {mean:.3f} ± {std:.3f} | {t} |")
     text = "\n".join(lines) + "\n"
+    from benchmarks.results_io import write_files
+
     stem = results_dir.rstrip("/")
-    tmp = f"{stem}.md.{os.getpid()}.tmp"
-    with open(tmp, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, stem + ".md")
+    write_files(os.path.dirname(stem) or ".", {os.path.basename(stem) + ".md": text})
     if table and any(len(row["curves"].get("accuracy", {})) > 1 for row in table):
         plot(table, stem + "_curves.png")
     return text
@@ -406,14 +404,13 @@ def main() -> None:
             print(f"  {row['setting']:10s} {row['method']:5s} " + "  ".join(cells))
     record = {"steps": args.steps, "eval_every": args.eval_every, "rollouts_per_step": args.batch, "seeds": seeds,
               "table": table}
-    out = os.path.join(base, "self_distill.json")
-    with open(out + ".tmp", "w") as fh:
-        json.dump(record, fh, indent=1)
-    os.replace(out + ".tmp", out)
+    from benchmarks.results_io import write_files
+
+    write_files(base, {"self_distill.json": json.dumps(record, indent=1)})
     png = os.path.join(base, "self_distill_curves.png")
     if any(len(row["curves"].get("accuracy", {})) > 1 for row in table) and plot(table, png):
         print(f"\ncurves: {png}")
-    print(f"results: {out}")
+    print(f"results: {os.path.join(base, 'self_distill.json')}")
     print(json.dumps(record))
 
 

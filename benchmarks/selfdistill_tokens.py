@@ -174,11 +174,10 @@ def main() -> None:
         session.tracker.close()
     result = {"teacher": args.teacher, "questions": len(examples), "steps": rows,
               "command": "python benchmarks/selfdistill_tokens.py " + " ".join(sys.argv[1:])}
-    base = Path(args.out) / f"selfdistill_tokens-{args.teacher}"
-    for suffix, text in ((".json", json.dumps(result, indent=1)), (".md", render(result))):
-        tmp = base.with_suffix(suffix + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, base.with_suffix(suffix))
+    from benchmarks.results_io import write_files
+
+    stem = f"selfdistill_tokens-{args.teacher}"
+    write_files(args.out, {stem + ".json": json.dumps(result, indent=1), stem + ".md": render(result)})
     print(json.dumps(result))
 
 

@@ -23,8 +23,8 @@ probability f, routers still computed) swept over f for routed and naive against
 Speed is decode only: each setting prefills held-out prompts (not timed; prefill runs masked) and
 then times `--new-tokens` greedy decode steps (no early stop). Variants of one setting run
 round-robin `--repeats` times and keep their fastest pass (so the cost gate's one-time calibration
-is not in the figure). One thread; last line JSON. Writes docs/results/skipper.{json,md}, one
-file per finished run under docs/results/skipper/ (a rerun skips those).
+is not in the figure). One thread; last line JSON. Writes docs/results/skipper.{json,md} (skipper-EXTRA.*
+with --extra), one file per finished run under docs/results/skipper/ (a rerun skips those).
 
     python benchmarks/skipper.py                          # build, train (cached), measure
     python benchmarks/skipper.py --targets 0.25 0.5 --extra algo.gate=soft algo.decision_grad=false
@@ -384,7 +384,8 @@ def main() -> None:
     if args.out:
         from benchmarks.results_io import write_report
 
-        write_report(args.out, "skipper", report, render)
+        stem = "skipper" + ("-" + "_".join(args.extra) if args.extra else "")
+        write_report(args.out, "".join(c if c.isalnum() or c in "-._=" else "_" for c in stem), report, render)
     print(json.dumps(report))
 
 

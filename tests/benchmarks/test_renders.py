@@ -74,7 +74,7 @@ def renderers():
     return {"compose": compose.render, "distill_memory": distill_memory.render, "grpo_skip-": grpo_skip.render,
             "grpo_update": grpo_update.render, "lowbit_matmul": lowbit_matmul.render, "mass_teachers": mass_teachers.render,
             "qad": qad.render, "real_model": real_model.render_tables, "selfdistill_tokens-": selfdistill_tokens.render,
-            "speculative": speculative.render, "generate": generate.render, "skipper": skipper.render,
+            "speculative": speculative.render, "generate": generate.render, "skipper": skipper.render, "skipper-": skipper.render,
             "attuner_ttft": attuner.render_ttft, "attuner_accuracy-": attuner.render_accuracy}
 
 
