@@ -404,7 +404,8 @@ def render(report: dict) -> str:
         lines += ["", f"## target_skip {target}", "",
                   f"Held-out accuracy {e['accuracy']:.3f} (n={e.get('n', a['eval_examples'])}) against the base's "
                   f"{report['base_accuracy']:.3f}; skipped {e['skip_ratio']:.1%} of routed layer-tokens "
-                  f"({e['layer_skip_ratio']:.1%} of all); per routed layer {e['per_layer']}; the widened model's "
+                  f"({e['layer_skip_ratio']:.1%} of all); per routed layer "
+                  + ", ".join(f"{k}: {v:.2f}" for k, v in e["per_layer"].items()) + "; the widened model's "
                   f"greedy completions equal the narrow one's on {e['wide_agreement']:.0%} of "
                   f"{min(8, max(a['batches']))} prompts.", "",
                   "| decode tokens/s | dense (base) | naive (compute all, mix) | routed | auto (cost gate) "
