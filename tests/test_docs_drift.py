@@ -5,7 +5,10 @@
   each with its default;
 - the README's algorithm table lists exactly the registry's algorithms, each linking its page;
 - the README's fast-path table names only `python -m inference` flags that exist, and every flag a
-  fast path adds is in it.
+  fast path adds is in it;
+- every figure of a table marked `<!-- figures: results/X.json -->` (or results directories, or
+  several, space-separated) is a number of those results, to the precision shown: a rerun that changes the result fails the table
+  until it is updated.
 """
 from __future__ import annotations
 
@@ -206,3 +209,85 @@ def test_the_architecture_summary_is_the_measured_support_matrix():
                         problems.append(f"{family} says {algo} {cell}; {arch} measured {measured[arch][algo]}")
     assert not problems, "\n".join(problems)
     assert covered == set(measured), f"architectures measured but not in the table: {sorted(set(measured) - covered)}"
+
+
+# ----------------------------------------------------------------------------- tables drawn from results
+
+FIGURES_MARK = re.compile(r"^<!-- figures: (\S+(?: \S+)*) -->$", flags=re.M)
+NUMBER = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?(?:e[-+]?\d+)?)(%?)")
+
+
+def result_numbers(obj) -> list[float]:
+    """Every number in a result's JSON, numeric keys and strings included."""
+    if isinstance(obj, bool):
+        return []
+    if isinstance(obj, (int, float)):
+        return [float(obj)]
+    if isinstance(obj, dict):
+        return [x for k, v in obj.items() for x in result_numbers(k) + result_numbers(v)]
+    if isinstance(obj, list):
+        return [x for v in obj for x in result_numbers(v)]
+    if isinstance(obj, str):
+        try:
+            return [float(obj)]
+        except ValueError:
+            return []
+    return []
+
+
+def marked_tables(text: str) -> list[tuple[str, list[str]]]:
+    """(result path, the body rows of the table right after the mark) for each figures mark."""
+    out = []
+    for m in FIGURES_MARK.finditer(text):
+        lines = text[m.end():].lstrip("\n").splitlines()
+        table = []
+        for line in lines:
+            if not line.startswith("|"):
+                break
+            table.append(line)
+        out.append((m.group(1), [r for r in table[1:] if not r.startswith("|---")]))
+    return out
+
+
+def unmatched_figures(rows: list[str], numbers: list[float]) -> list[str]:
+    """The figures of `rows` (every cell but the first, the row's label) that no result number rounds
+    to at the shown precision (a percentage may also be a fraction)."""
+    missing = []
+    for row in rows:
+        for cell in row.strip().strip("|").split("|")[1:]:
+            for digits, pct in NUMBER.findall(cell.replace("**", "")):
+                mantissa, _, exponent = digits.partition("e")
+                shown = len(mantissa.split(".")[1]) if "." in mantissa else 0
+                value, tol = float(digits), 0.5 * 10 ** (int(exponent or 0) - shown) * (1 + 1e-9)
+                targets = [value, value / 100] if pct else [value]
+                if not any(abs(x - t) <= tol * (0.01 if t != value else 1) for x in numbers for t in targets):
+                    missing.append(f"{digits}{pct} in {cell.strip()!r}")
+    return missing
+
+
+def test_tables_marked_as_drawn_from_results_match_them():
+    import json
+
+    checked = 0
+    for page in PAGES:
+        for target, rows in marked_tables(page.read_text()):
+            files = []
+            for name in target.split():
+                path = (page.parent / name).resolve()
+                assert path.exists(), f"{page.relative_to(ROOT)}: figures mark names {name}, which does not exist"
+                files += sorted(path.rglob("*.json")) if path.is_dir() else [path]
+            numbers = [x for f in files for x in result_numbers(json.loads(f.read_text()))]
+            assert rows, f"{page.relative_to(ROOT)}: figures mark for {target} has no table after it"
+            missing = unmatched_figures(rows, numbers)
+            assert not missing, f"{page.relative_to(ROOT)}: figures not in {target}: {missing[:5]}"
+            checked += 1
+    assert checked >= 1
+
+
+def test_a_stale_figure_is_caught():
+    rows = ["| SEED | 0.76 | **1.76x** | 48% |"]
+    assert unmatched_figures(rows, [0.76, 1.7604, 0.481]) == []
+    assert unmatched_figures(["| pic | 3.8e-4 (0.999) |"], [0.000384, 0.9991]) == []
+    assert unmatched_figures(["| pic | 3.8e-4 (0.999) |"], [0.000394, 0.9991]) == ["3.8e-4 in '3.8e-4 (0.999)'"]
+    assert unmatched_figures(rows, [0.76, 1.74, 0.481]) == ["1.76 in '**1.76x**'"]
+    assert unmatched_figures(rows, [0.76, 1.76, 0.47]) == ["48% in '48%'"]
