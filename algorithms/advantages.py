@@ -1,4 +1,4 @@
-"""Group-relative advantages shared by the policy-gradient algorithms (GRPO, CLM).
+"""Group-relative advantages shared by the policy-gradient algorithms (GRPO, CLM, TESD's teacher term).
 
     adv, zero_std = group_advantages(rewards, valid, group_size=G)          # (N,), (N // G,)
 """
@@ -19,7 +19,7 @@ def group_advantages(rewards: torch.Tensor, valid: torch.Tensor, group_size: int
     Returns (A (N,), zero_std (N // G,) bool: groups that carry no learning signal). Invalid samples
     and groups with < 2 valid samples get A = 0. `scale`: group -> divide by the group's unbiased std;
     batch -> by the std of all valid rewards of the global batch (`world` all-reduces the sums);
-    none -> no division. With all-valid rewards and scale=group this is algorithms.losses.group_advantages.
+    none -> no division (Dr. GRPO).
     Example: rewards [1, 0, 0, 1], G=4 -> mean .5, std .57735 -> A = +-0.5/0.57745 = +-0.8659.
     """
     r = rewards.double().view(-1, group_size)

@@ -199,22 +199,7 @@ def weighted_token_loss(per_token: Tensor, weights: Tensor, normaliser: Tensor) 
     return (per_token * weights).sum() / normaliser
 
 
-# --- group-relative policy gradient (TESD's teacher-oriented term; GRPO) -------------------------
-
-
-def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-4, scale: str = "group") -> Tensor:
-    """`A = (r - mean_g) / (std_g + eps)` per group of `group_size` consecutive rewards (std unbiased);
-    scale "none" skips the division (Dr. GRPO). A group of one gets A = 0.
-    Example: rewards [1, 0, 0, 1], group 2 -> mean 0.5, std 0.7071 -> A = +-0.5/0.7072 = +-0.7070."""
-    g = rewards.view(-1, group_size).float()
-    centred = g - g.mean(1, keepdim=True)
-    if group_size == 1:
-        return torch.zeros_like(rewards, dtype=torch.float32)
-    if scale == "group":
-        centred = centred / (g.std(1, keepdim=True) + eps)
-    elif scale != "none":
-        raise ValueError(f"unknown advantage scale {scale!r}; expected 'group' or 'none'")
-    return centred.view(-1)
+# --- group-relative policy gradient (TESD's teacher-oriented term; GRPO); the advantages: algorithms/advantages.py
 
 
 def clipped_policy_gradient(logp: Tensor, old_logp: Tensor, advantages: Tensor, eps_low: float = 0.2,

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from algorithms import losses
+from algorithms.advantages import group_advantages
 from algorithms.base import Batch, PolicyTerms, RolloutContext, StepOutput, TeacherTerms, pad_right
 from algorithms.dynamic_sampling import Retirement, check_dynamic_keys, fill_groups
 from algorithms.rollouts import completion_mask, encode, encode_prompt, require_references, rollout_batch, sample
@@ -182,7 +183,8 @@ class TESD:
                                 tok.pad_token_id, ctx.device,
                                 [f"{grp.example.uid}/teacher{k}" for grp in groups for k in range(g)])
         rewards = torch.cat([grp.rewards for grp in groups])
-        teacher.policy = PolicyTerms(losses.group_advantages(rewards, g, eps=c.advantage_eps).to(ctx.device))
+        advantages, _ = group_advantages(rewards, torch.ones_like(rewards, dtype=torch.bool), g, c.advantage_eps)
+        teacher.policy = PolicyTerms(advantages.to(ctx.device))
         batch = join(student, teacher)
         parts = {name: torch.cat([getattr(grp, name) for grp in own]).mean() for name in ("correct", "independence")}
         batch.metrics = {"tesd/teacher_correct": parts["correct"], "tesd/independence": parts["independence"],

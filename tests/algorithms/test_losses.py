@@ -102,10 +102,15 @@ def test_sampled_token_divergence_value_and_gradient():
 
 def test_group_advantages_worked_example():
     # docs/grpo.md: rewards [1, 0, 0, 1] in one group -> +-0.8658754 (std unbiased, eps 1e-4)
-    adv = losses.group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4, eps=1e-4)
-    assert torch.allclose(adv, torch.tensor([0.8658754, -0.8658754, -0.8658754, 0.8658754]), atol=1e-6)
-    assert torch.equal(losses.group_advantages(torch.tensor([3.0, 5.0]), 1), torch.zeros(2))
-    assert torch.allclose(losses.group_advantages(torch.tensor([1.0, 0.0]), 2, scale="none"), torch.tensor([0.5, -0.5]))
+    from algorithms.advantages import group_advantages
+
+    def adv(rewards, g, **kw):
+        return group_advantages(torch.tensor(rewards), torch.ones(len(rewards), dtype=torch.bool), g, **kw)[0]
+
+    assert torch.allclose(adv([1.0, 0.0, 0.0, 1.0], 4, eps=1e-4),
+                          torch.tensor([0.8658754, -0.8658754, -0.8658754, 0.8658754]), atol=1e-6)
+    assert torch.equal(adv([3.0, 5.0], 1), torch.zeros(2))
+    assert torch.allclose(adv([1.0, 0.0], 2, scale="none"), torch.tensor([0.5, -0.5]))
 
 
 def test_clipped_policy_gradient_worked_example():
