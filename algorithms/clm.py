@@ -82,7 +82,6 @@ class CLMConfig(LoRAOptions):
     dynamic_metric: str = "signal"  # signal (success or the successes' compute differs) | success (success differs)
     retire_after: int = 0  # > 0 (with dynamic_sampling): retire a task all of whose episodes succeeded, or all
     # failed, on this many visits in a row; it is not played again
-    seed: int = 0
 
     def validate(self) -> None:
         if self.num_generations < 1:

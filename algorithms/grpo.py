@@ -107,7 +107,6 @@ class GRPOConfig(LoRAOptions):
     dynamic_metric: str = "reward"  # the spread that counts: reward (the training reward) | correct (the answer)
     retire_after: int = 0  # > 0 (with dynamic_sampling): retire a prompt all of whose completions were right, or
     # all wrong, on this many visits in a row; it is not sampled again
-    seed: int = 0
 
     def validate(self) -> None:
         if self.num_generations < 1:

@@ -80,7 +80,6 @@ class QADConfig:
     teacher_batch_size: int = 32  # rows per no-grad teacher forward
     block_error_every: int = 10  # steps between per-block error measurements (0 = never)
     export_dequantized: bool = False  # also write final/dequantized/: plain HF weights q * scale
-    seed: int = 0  # not read by QAD
 
     def validate(self) -> None:
         from models.quant import QuantScheme

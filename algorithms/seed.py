@@ -85,7 +85,6 @@ class SEEDConfig:
     draft_len: int = DRAFTER.draft_len  # runtime: max drafted tokens per verify (written to seed_drafter.json, used in eval)
     confidence: float = DRAFTER.confidence  # runtime: stop drafting when the drafter's top probability falls below this
     adaptive: bool = DRAFTER.adaptive  # runtime: confidence-based draft length; False = always draft_len drafts
-    seed: int = 0
 
     def validate(self) -> None:
         if self.decoder_layers < 1:
