@@ -78,6 +78,9 @@ class Batch:
     teacher: Optional["TeacherTerms"] = None  # self-distillation: the teacher's view of each row
     policy: Optional["PolicyTerms"] = None  # policy gradient: advantages and the log-probs they compare to
     segments: Optional["SegmentTerms"] = None  # artifact cache: the segment of each prompt token
+    # What make_batch decided for this step that the loss must follow (e.g. QAD's schedule stage): it
+    # travels with the batch, shared by every micro-batch, so nothing rides on the algorithm's counters.
+    step_state: Any = None
 
     def __post_init__(self) -> None:
         assert self.input_ids.dim() == 2, f"input_ids must be (B, T), got {tuple(self.input_ids.shape)}"

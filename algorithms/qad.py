@@ -357,7 +357,7 @@ class QAD:
             loss_mask = attn.clone()
             loss_mask[:, 0] = 0
         metrics = {"qad/stage": torch.tensor(float(index)), "qad/segment_blocks": torch.tensor(float(stage.blocks))}
-        batch = Batch(ids, attn, loss_mask, uids=[ex.uid for ex in examples], metrics=metrics)
+        batch = Batch(ids, attn, loss_mask, uids=[ex.uid for ex in examples], metrics=metrics, step_state=stage)
         if stage.kind == CE and not self._measure(step):
             return batch
         # block-boundary states only where used: a hidden stage, or a block-error measurement
@@ -401,7 +401,8 @@ class QAD:
     # loss
 
     def loss(self, model: nn.Module, micro: Batch, normaliser: torch.Tensor) -> StepOutput:
-        _, stage = self.current_stage_of_batch()
+        stage = micro.step_state  # the stage make_batch built this batch for
+        assert isinstance(stage, Stage), "a QAD batch carries its stage (make_batch sets step_state)"
         sel = micro.loss_mask.bool()
         if stage.kind == HIDDEN:
             per_token = self.segment_error(model, micro, stage.blocks)  # (B, T)
@@ -419,10 +420,6 @@ class QAD:
                                              chunk=self._chunk(micro))
         total = div.sum()
         return StepOutput(total / normaliser, {"qad/kl": total.detach() / sel.sum().clamp(min=1)})
-
-    def current_stage_of_batch(self) -> tuple[int, Stage]:
-        """The stage of the batch being trained: the one before make_batch advanced the counter."""
-        return stage_at(self.stages, self.steps_done - 1)
 
     def _chunk(self, micro: Batch) -> int:
         vocab = causal_lm(self.teacher).config.vocab_size

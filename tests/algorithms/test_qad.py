@@ -209,7 +209,6 @@ def test_gradient_accumulation_invariance(start, float64):
     batch = algo.make_batch(task.train_examples()[:6], ctx(model, tok, task))
 
     def grads(size):
-        algo.steps_done = start + 1  # loss() reads the stage of the batch made last
         model.zero_grad()
         for micro in batch.micro_batches(size):
             algo.loss(model, micro, batch.num_targets().float()).loss.backward()
@@ -220,6 +219,22 @@ def test_gradient_accumulation_invariance(start, float64):
     for n in whole:
         # float64 measures ~3e-7 of the largest gradient entry here; fp32 rounding gave up to 4e-3
         assert (whole[n] - split[n]).abs().max() <= 1e-5 * whole[n].abs().max(), n
+
+
+def test_each_batch_trains_the_stage_it_was_made_for():
+    """Two batches made before either loss: each loss follows its own batch's stage, not the counter."""
+    algo, model, tok, task = setup()
+    c = ctx(model, tok, task)
+    algo.steps_done = 1  # step 1: stage 0 (1-block segments, hidden); step 2: stage 1 (2-block segments)
+    first = algo.make_batch(task.train_examples()[:4], c)
+    second = algo.make_batch(task.train_examples()[4:8], c)
+    assert (first.step_state.kind, first.step_state.blocks) == ("hidden", 1)
+    assert (second.step_state.kind, second.step_state.blocks) == ("hidden", 2)
+    norm = first.num_targets().float()
+    late = algo.loss(model, first, norm).loss  # after the second make_batch
+    expected = algo.segment_error(model, first, 1)[first.loss_mask.bool()].sum() / norm
+    assert torch.allclose(late, expected) and not torch.allclose(
+        late, algo.segment_error(model, first, 2)[first.loss_mask.bool()].sum() / norm)
 
 
 def test_block_errors_are_logged_and_the_step_counter_is_checkpointed():
