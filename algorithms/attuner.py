@@ -68,10 +68,10 @@ from torch import Tensor, nn
 from algorithms import losses
 from algorithms.base import Batch, RolloutContext, SegmentTerms, StepOutput, TeacherTerms, Traits, pad_right
 from algorithms.pic_forward import QUERY, SegmentIds, encode_context, segment_ids, split_rows, student_hidden
-from algorithms.rollouts import completion_mask, encode
-from algorithms.scoring import detached_head, predicting
+from algorithms.rollouts import completion_mask, training_completions
+from algorithms.scoring import detached_head, predicting, sliced_final_hidden
 from inference.artifacts import ATTUNER_FILE
-from models.anatomy import UnsupportedModel, causal_lm, final_hidden, output_head, unwrap
+from models.anatomy import UnsupportedModel, causal_lm, output_head, unwrap
 from models.query_adapter import (
     QUERY_PROJECTIONS, adapter_disabled, apply_query_lora, check_query_only, shape_fingerprint, trainable_fraction,
 )
@@ -174,25 +174,18 @@ class Attuner:
         return row
 
     def completions(self, examples: Sequence[Any], prompts: list[list[int]], ctx: RolloutContext) -> list[list[int]]:
-        tok = ctx.tokenizer
-        if self.cfg.completions == "solutions":
-            return [encode(tok, ex.solution) + [tok.eos_token_id] for ex in examples]
-        from inference import SamplingParams
+        def base_greedy(prompts, params):  # the frozen base with full prefill, behind the serving door
+            with adapter_disabled(ctx.policy):
+                return ctx.engine.generate(prompts, params)
 
-        params = SamplingParams(max_new_tokens=ctx.max_new_tokens, temperature=0.0, stop_token_ids=(tok.eos_token_id,))
-        with adapter_disabled(ctx.policy):  # the frozen base, full prefill
-            return [list(o.tokens) for o in ctx.engine.generate(prompts, params)]  # the policy behind the serving door
+        return training_completions(self.cfg.completions, examples, prompts, ctx, base_greedy)
 
     @torch.no_grad()
     def teacher_states(self, policy: nn.Module, ids: Tensor, attn: Tensor) -> Tensor:
         """Final normed states (B, T, H) of the frozen base over the joint rows, `teacher_batch_size`
         rows per forward."""
-        finals = []
         with adapter_disabled(policy):
-            for start in range(0, ids.shape[0], self.cfg.teacher_batch_size):
-                rows = slice(start, start + self.cfg.teacher_batch_size)
-                finals.append(final_hidden(policy, ids[rows], attn[rows]))
-        return torch.cat(finals)
+            return sliced_final_hidden(policy, ids, attn, self.cfg.teacher_batch_size)
 
     def make_batch(self, examples: Sequence[Any], ctx: RolloutContext) -> Batch:
         tok = ctx.tokenizer

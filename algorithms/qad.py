@@ -48,7 +48,7 @@ from torch import nn
 
 from algorithms import losses
 from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms, Traits, pad_right
-from algorithms.rollouts import completion_mask, encode, encode_prompt
+from algorithms.rollouts import completion_mask, encode_prompt, training_completions
 from algorithms.scoring import detached_head, predicting, student_features
 from models.anatomy import UnsupportedModel, capture_final_hidden, causal_lm, decoder_layers
 from models.quant_export import export_problem
@@ -311,15 +311,14 @@ class QAD:
     # batches
 
     def completions(self, examples: Sequence[Any], prompts: list[list[int]], ctx: RolloutContext) -> list[list[int]]:
-        tok = ctx.tokenizer
-        if self.cfg.completions == "solutions":
-            return [encode(tok, ex.solution) + [tok.eos_token_id] for ex in examples]
-        from inference import EngineConfig, SamplingParams
-        from inference.serving import ServeOptions, serve_model
+        def teacher_greedy(prompts, params):  # the full-precision teacher behind the serving door
+            from inference import EngineConfig
+            from inference.serving import ServeOptions, serve_model
 
-        params = SamplingParams(max_new_tokens=ctx.max_new_tokens, temperature=0.0, stop_token_ids=(tok.eos_token_id,))
-        teacher = serve_model(self._teacher(ctx.device), ServeOptions(engine=ctx.engine_config or EngineConfig()))
-        return [list(o.tokens) for o in teacher.generate(prompts, params)]
+            options = ServeOptions(engine=ctx.engine_config or EngineConfig())
+            return serve_model(self._teacher(ctx.device), options).generate(prompts, params)
+
+        return training_completions(self.cfg.completions, examples, prompts, ctx, teacher_greedy)
 
     def _teacher(self, device: torch.device) -> nn.Module:
         assert self.teacher is not None, "prepare_model builds the teacher"

@@ -77,3 +77,18 @@ def require_references(examples: Sequence[Any], algo_name: str) -> None:
         if not ex.solution or not ex.solution.strip():
             raise DataError(f"{algo_name} needs a reference solution for every question; example {ex.uid} "
                              "has an empty solution (set data.solution_field to the field holding worked solutions)")
+
+
+def training_completions(source: str, examples: Sequence[Any], prompts: list[list[int]], ctx: RolloutContext,
+                         generate: Any = None) -> list[list[int]]:
+    """The completion tokens of training rows that distil a frozen model (qad, skipper, attuner):
+    `source="solutions"`: each example's worked solution + EOS; otherwise the teacher's greedy
+    completion of each prompt, up to `ctx.max_new_tokens` and stopping at EOS, from
+    `generate(prompts, params)` (the teacher behind the serving door; default `ctx.engine.generate`)."""
+    tok = ctx.tokenizer
+    if source == "solutions":
+        return [encode(tok, ex.solution) + [tok.eos_token_id] for ex in examples]
+    from inference import SamplingParams
+
+    params = SamplingParams(max_new_tokens=ctx.max_new_tokens, temperature=0.0, stop_token_ids=(tok.eos_token_id,))
+    return [list(o.tokens) for o in (generate or ctx.engine.generate)(prompts, params)]

@@ -108,3 +108,12 @@ def policy_logprobs(model: nn.Module, batch: Batch, temperature: float, chunk: i
             out[start: start + rows_per_pass] = scatter_tokens(
                 losses.chunked_token_logprobs(feats[sel], head, ids[sel], temperature, c).float(), sel)
     return out
+
+
+@torch.no_grad()
+def sliced_final_hidden(model: nn.Module, ids: torch.Tensor, attn: torch.Tensor, rows_per_forward: int) -> torch.Tensor:
+    """Final normed states (B, T, H) of `model` over every row, `rows_per_forward` rows per forward
+    (a frozen teacher's states; the caller sets which model that is, e.g. routers forced or the
+    adapter off)."""
+    return torch.cat([final_hidden(model, ids[s:s + rows_per_forward], attn[s:s + rows_per_forward])
+                      for s in range(0, ids.shape[0], rows_per_forward)])

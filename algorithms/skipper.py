@@ -57,8 +57,8 @@ from torch import Tensor, nn
 
 from algorithms import losses
 from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms, Traits, pad_right
-from algorithms.rollouts import completion_mask, encode, encode_prompt
-from algorithms.scoring import detached_head, predicting, student_features
+from algorithms.rollouts import completion_mask, encode_prompt, training_completions
+from algorithms.scoring import detached_head, predicting, sliced_final_hidden, student_features
 from models.anatomy import causal_lm, decoder_layers, final_hidden
 from models.skipper import (
     GATES, SKIPPER_DIR, apply_skipper, base_state_dict, check_layers, check_supported, decisions, forced, make_spec,
@@ -173,25 +173,18 @@ class Skipper:
     # batches
 
     def completions(self, examples: Sequence[Any], prompts: list[list[int]], ctx: RolloutContext) -> list[list[int]]:
-        tok = ctx.tokenizer
-        if self.cfg.completions == "solutions":
-            return [encode(tok, ex.solution) + [tok.eos_token_id] for ex in examples]
-        from inference import SamplingParams
+        def base_greedy(prompts, params):  # every router forced to run: the frozen base, behind the serving door
+            with forced(ctx.policy, "run"):
+                return ctx.engine.generate(prompts, params)
 
-        params = SamplingParams(max_new_tokens=ctx.max_new_tokens, temperature=0.0, stop_token_ids=(tok.eos_token_id,))
-        with forced(ctx.policy, "run"):  # every router runs: the frozen base
-            return [list(o.tokens) for o in ctx.engine.generate(prompts, params)]  # the policy behind the serving door
+        return training_completions(self.cfg.completions, examples, prompts, ctx, base_greedy)
 
     @torch.no_grad()
     def base_states(self, policy: nn.Module, ids: Tensor, attn: Tensor) -> Tensor:
         """Final normed states (B, T, H) of the base (every router forced to run), in slices of
         `teacher_batch_size` rows."""
-        finals = []
         with forced(policy, "run"):
-            for start in range(0, ids.shape[0], self.cfg.teacher_batch_size):
-                rows = slice(start, start + self.cfg.teacher_batch_size)
-                finals.append(final_hidden(policy, ids[rows], attn[rows]))
-        return torch.cat(finals)
+            return sliced_final_hidden(policy, ids, attn, self.cfg.teacher_batch_size)
 
     def make_batch(self, examples: Sequence[Any], ctx: RolloutContext) -> Batch:
         self.check_policy(ctx.policy)
