@@ -260,8 +260,8 @@ class Attuner:
         by the base), the adapter on the query and generated tokens only (`inference.pic`)."""
         return self._serve(model, tokenizer, task, examples, max_new_tokens)
 
-    def evaluate_drafter(self, model: nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any],
-                         max_new_tokens: int) -> dict[str, float]:
+    def extra_eval(self, model: nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any],
+                   max_new_tokens: int) -> dict[str, float]:
         """The two references on the same prompts: the frozen base with full prefill (what the
         adapter distils) and the base with naive PIC (what it starts from)."""
         out = {}

@@ -2,7 +2,7 @@
 
 An algorithm never touches process groups, optimizers or files. The contract is `Algorithm` below;
 optional capabilities (`ChecksTask`, `GroupedRollouts`, `SharesPrompts`, `ExposesTokens`,
-`EvaluatesDrafter`, `ServesEval`, `Scheduled`, `KnowsZeroLoss`, `ShapesRows`, `KeepsCopies`, `KeepsRankState`, `WatchesEval`) are typed protocols resolved once at setup into `Capabilities`, and the config
+`ExtraEval`, `ServesEval`, `Scheduled`, `KnowsZeroLoss`, `ShapesRows`, `KeepsCopies`, `KeepsRankState`, `WatchesEval`) are typed protocols resolved once at setup into `Capabilities`, and the config
 declares `Traits`. The trainer (trainer/loop.py) calls, per step,
 
     batch = algo.make_batch(examples, ctx)       # no grad: rollouts, teacher passes, rewards
@@ -245,11 +245,14 @@ class KnowsZeroLoss(Protocol):
 
 
 @runtime_checkable
-class EvaluatesDrafter(Protocol):
+class ExtraEval(Protocol):
+    """Metrics an algorithm adds to each eval beside held-out accuracy (seed: tokens per verify;
+    skipper: skip ratios; attuner: the frozen base's full-prefill and naive-PIC accuracy), measured
+    on the main rank over the first `trainer.extra_eval_examples` held-out examples."""
     summary_metrics: dict[str, str]  # eval metric -> how train.py's before -> after summary names it
 
-    def evaluate_drafter(self, model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any],
-                         max_new_tokens: int) -> dict[str, float]: ...
+    def extra_eval(self, model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any],
+                   max_new_tokens: int) -> dict[str, float]: ...
 
 
 @runtime_checkable
@@ -328,7 +331,7 @@ class Capabilities:
     check_task: Optional[Callable[[Any], None]] = None
     share_prompts: Optional[Callable[[TokenLogprobs], None]] = None
     exposure: Optional[Callable[[Batch], Tensor]] = None
-    evaluate_drafter: Optional[Callable[..., dict]] = None
+    extra_eval: Optional[Callable[..., dict]] = None
     summary_metrics: dict[str, str] = field(default_factory=dict)
     plan: Optional[Callable[[int], Any]] = None
     eval_completions: Optional[Callable[..., list]] = None
@@ -347,14 +350,14 @@ def capabilities(algo: Any) -> Capabilities:
     missing = [m for m in required if not hasattr(algo, m)]
     if missing or not isinstance(algo, Algorithm):
         raise TypeError(f"{type(algo).__name__} does not implement the Algorithm contract: missing {', '.join(missing)}")
-    drafter = isinstance(algo, EvaluatesDrafter)
+    extra = isinstance(algo, ExtraEval)
     return Capabilities(
         rows_per_prompt=algo.rows_per_prompt if isinstance(algo, GroupedRollouts) else 1,
         check_task=algo.check_task if isinstance(algo, ChecksTask) else None,
         share_prompts=algo.share_prompts if isinstance(algo, SharesPrompts) else None,
         exposure=algo.exposure if isinstance(algo, ExposesTokens) else None,
-        evaluate_drafter=algo.evaluate_drafter if drafter else None,
-        summary_metrics=dict(algo.summary_metrics) if drafter else {},
+        extra_eval=algo.extra_eval if extra else None,
+        summary_metrics=dict(algo.summary_metrics) if extra else {},
         plan=algo.plan if isinstance(algo, Scheduled) else None,
         eval_completions=algo.eval_completions if isinstance(algo, ServesEval) else None,
         zero_loss=algo.zero_loss if isinstance(algo, KnowsZeroLoss) else None,

@@ -343,8 +343,8 @@ class SEED:
         return StepOutput(loss, metrics)
 
     @torch.no_grad()
-    def evaluate_drafter(self, model: nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any],
-                         max_new_tokens: int) -> dict:
+    def extra_eval(self, model: nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any],
+                   max_new_tokens: int) -> dict:
         """Greedy self-speculative decoding of held-out prompts with the trained drafter:
         {"seed/mean_accepted": tokens emitted per verify forward}. Empty (with a warning) when the
         runtime (inference.speculative) is not available or cannot run this model."""

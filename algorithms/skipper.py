@@ -232,8 +232,8 @@ class Skipper:
     # eval
 
     @torch.no_grad()
-    def evaluate_drafter(self, model: nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any],
-                         max_new_tokens: int) -> dict[str, float]:
+    def extra_eval(self, model: nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any],
+                   max_new_tokens: int) -> dict[str, float]:
         """Greedy completions of `examples` by the skipper model itself, then one teacher-forced
         forward of prompt + completion to read its routers: the share of skipped routed-layer
         decisions over the completion tokens (`skipper/skip_ratio`), per routed layer

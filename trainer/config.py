@@ -141,6 +141,7 @@ class TrainerConfig:
     eval_every: int = 50
     eval_examples: int = 200
     eval_max_new_tokens: int = 160
+    extra_eval_examples: int = 32  # held-out examples of an algorithm's extra eval metrics (seed, skipper, attuner)
     save_every: int = 50
     keep_last: int = 2
     resume: str = "auto"  # auto | never | PATH
@@ -381,7 +382,7 @@ def validate(cfg: TrainConfig, training: bool = True) -> None:
     # Sizes that would make a run meaningless (rollouts or evals of nothing report accuracy 0) are refused.
     traits = cfg.algo.traits  # declared by every algorithm config (algorithms.base.Traits)
     for key in ("max_steps", "batch_size", "micro_batch_size", "eval_every", "save_every", "keep_last",
-                "max_new_tokens", "eval_examples", "eval_max_new_tokens"):
+                "max_new_tokens", "eval_examples", "eval_max_new_tokens", "extra_eval_examples"):
         if key == "max_steps" and traits.zero_steps and t.max_steps == 0:
             continue  # e.g. qad's ptq: evaluate and export the untrained student
         if getattr(t, key) <= 0:

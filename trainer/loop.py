@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 
 
 SKIPPED_STEPS = "train/skipped_steps"
-DRAFTER_EVAL_EXAMPLES = 32  # held-out prompts for the speculative-decoding acceptance metric
 
 
 class NonFiniteLossError(RuntimeError):
@@ -291,9 +290,9 @@ def _run_eval(s: Session) -> dict:
         if s.world.is_main:
             for note in notes:
                 print(f"warning: step {s.step}: {note}", file=sys.stderr, flush=True)
-    drafter = s.caps.evaluate_drafter
-    if drafter is not None and s.world.is_main:  # e.g. SEED: mean tokens per verify forward, greedy
-        result.update(drafter(model, s.tokenizer, s.task, examples[:DRAFTER_EVAL_EXAMPLES], t.eval_max_new_tokens))
+    extra = s.caps.extra_eval
+    if extra is not None and s.world.is_main:  # e.g. SEED: mean tokens per verify forward, greedy
+        result.update(extra(model, s.tokenizer, s.task, examples[:t.extra_eval_examples], t.eval_max_new_tokens))
     record = {"step": s.step, "split": "eval", **result}
     s.tracker.log(record)
     s.evals.append(record)

@@ -290,26 +290,26 @@ def test_self_anchor_resume_matches_an_uninterrupted_run(tmp_path, subprocess_en
         assert resumed[step] == pytest.approx(whole[step], rel=1e-5, abs=1e-7)
 
 
-def test_evaluate_drafter_reports_mean_accepted(monkeypatch):
+def test_extra_eval_reports_mean_accepted(monkeypatch):
     model, tok = tiny()
     task = arith()
     algo = SEED(SEEDConfig())
-    result = algo.evaluate_drafter(model, tok, task, task.test_examples()[:2], max_new_tokens=8)
+    result = algo.extra_eval(model, tok, task, task.test_examples()[:2], max_new_tokens=8)
     assert set(result) == {"seed/mean_accepted"} and result["seed/mean_accepted"] >= 1.0
     assert model.training == build_tiny(SPEC, seed=0)[0].training  # train/eval mode restored
     # A training engine's forward hooks (DeepSpeed ZeRO-1/2): the eval decodes a hook-free copy, same result.
     calls = []
     handle = model.model.layers[0].register_forward_pre_hook(lambda *args: calls.append(1))
-    assert algo.evaluate_drafter(model, tok, task, task.test_examples()[:2], max_new_tokens=8) == result
+    assert algo.extra_eval(model, tok, task, task.test_examples()[:2], max_new_tokens=8) == result
     handle.remove()
     assert calls == []  # the hooked model itself was not run
     peft_like = type("Wrapped", (torch.nn.Module,), {})()  # an architecture the runtime cannot run: skipped
     peft_like.config, peft_like.lm = model.config, torch.nn.Linear(2, 2)
     monkeypatch.setattr("algorithms.seed.causal_lm", lambda m: m)
-    assert algo.evaluate_drafter(peft_like, tok, task, task.test_examples()[:2], max_new_tokens=8) == {}
+    assert algo.extra_eval(peft_like, tok, task, task.test_examples()[:2], max_new_tokens=8) == {}
     monkeypatch.undo()
     monkeypatch.setitem(sys.modules, "inference.speculative", None)  # runtime missing: skipped, no error
-    assert algo.evaluate_drafter(model, tok, task, task.test_examples()[:2], max_new_tokens=8) == {}
+    assert algo.extra_eval(model, tok, task, task.test_examples()[:2], max_new_tokens=8) == {}
 
 
 def test_training_decoder_pass_drafts_like_the_runtime(monkeypatch):

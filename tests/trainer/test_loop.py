@@ -269,3 +269,25 @@ def test_metric_mean_in_one_process_is_the_value():
 
     assert _mean_over_ranks(World(), {"b": torch.tensor(2.5), "a": 1.0}) == {"a": 1.0, "b": 2.5}
     assert _mean_over_ranks(World(), {}) == {}
+
+
+def test_extra_eval_gets_the_configured_number_of_examples(tmp_path):
+    """trainer.extra_eval_examples sets how many held-out examples an algorithm's extra eval sees
+    (seed's acceptance, skipper's skip ratios, attuner's references); its metrics join the eval record."""
+    import dataclasses
+
+    from trainer.loop import run_eval
+
+    cfg = tiny_config(tmp_path, "trainer.eval_examples=8", "trainer.extra_eval_examples=3",
+                      "trainer.eval_max_new_tokens=4", algo="skipper")
+    session = build_session(cfg, World())
+    seen = []
+
+    def spy(model, tokenizer, task, examples, max_new_tokens):
+        seen.append((len(examples), max_new_tokens))
+        return {"skipper/skip_ratio": 0.25}
+
+    session.caps = dataclasses.replace(session.caps, extra_eval=spy)
+    result = run_eval(session)
+    session.tracker.close()
+    assert seen == [(3, 4)] and result["skipper/skip_ratio"] == 0.25 and result["n"] == 8
