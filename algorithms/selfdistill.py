@@ -23,6 +23,7 @@ from algorithms.scoring import scatter_tokens, student_features
 from algorithms.teacher import SelfTeacher
 from models.anatomy import Head
 from models.lora import LoRAOptions
+from tasks import task_capabilities
 
 TEACHER_MODES = ("fixed", "refresh", "ema", "current")
 DIVERGENCES = ("full", "sampled")
@@ -186,7 +187,7 @@ def distill_loss(model: nn.Module, micro: Batch, normaliser: torch.Tensor, cfg: 
 
 def diagnoses_paths(cfg: Any, task: Any) -> bool:
     """`path_diagnostics` on a task with several valid solution paths (`several_paths`, e.g. multipath)."""
-    return bool(cfg.path_diagnostics and getattr(task, "several_paths", False) and hasattr(task, "solution_path"))
+    return bool(cfg.path_diagnostics and task_capabilities(task).several_paths)
 
 
 def on_path_flags(task: Any, tokenizer: Any, tokens: Sequence[int], reference: str) -> list[bool]:
@@ -230,7 +231,7 @@ def path_metrics(task: Any, tokenizer: Any, examples: Sequence[Any], completions
     `kept` (N,) the gate's kept share on each side (paths/kept_on|off). A side with no tokens in this
     batch is left out (the trainer averages a metric over the ranks that report it).
     """
-    if not hasattr(task, "solution_path"):
+    if task_capabilities(task).solution_path is None:
         return {}
     flags, differs = [], []
     for ex, tokens in zip(examples, completions):

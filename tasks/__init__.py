@@ -32,13 +32,17 @@ from tasks.base import (
     DataError,
     Example,
     HasArtifacts,
+    HasSolutionPaths,
+    RendersOwnPrompts,
     Segments,
     Task,
+    TaskCapabilities,
     VerifyResult,
     answers_equal,
     extract_answer,
     mask_spans,
     score,
+    task_capabilities,
 )
 from tasks.text import TextTask
 
@@ -64,7 +68,7 @@ def build_task(name: str, **kwargs: Any) -> Task:
 
 __all__ = [
     "Action", "ArithTask", "ArtifactTask", "ClmTask", "ContextEnv", "ContextFile", "ContextFormat", "DataError",
-    "Episode", "EpisodeError", "Example", "HasArtifacts", "MultiPathTask", "Segments", "PRESETS", "TASKS", "Task",
+    "Episode", "EpisodeError", "Example", "HasArtifacts", "HasSolutionPaths", "MultiPathTask", "Segments", "PRESETS", "RendersOwnPrompts", "TASKS", "Task", "TaskCapabilities",
     "TINY_FORMAT", "TextTask", "Turn", "VerifyResult", "answers_equal", "build_task", "extract_answer", "kind_of",
-    "mask_spans", "parse_action", "score", "scripted_output",
+    "mask_spans", "parse_action", "score", "scripted_output", "task_capabilities",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
 
 ANSWER_MARKER = "####"
 NUMERIC_TOLERANCE = 1e-6  # absolute: answers are mostly integers, a relative tolerance would equate 1e6 and 1e6+1
@@ -106,6 +106,50 @@ class HasArtifacts(Protocol):
     """A task whose prompts hold artifacts: `segments(ex).text() == prompt(ex)` for every example."""
 
     def segments(self, example: Example) -> Segments: ...
+
+
+@runtime_checkable
+class HasSolutionPaths(Protocol):
+    """A task whose worked solutions read as a path of steps (`solution_path(text)`); `several_paths`:
+    whether a question has more than one valid path, so a completion may leave its reference's path
+    and still be right (multipath; the path diagnostics compare only then)."""
+
+    several_paths: bool
+
+    def solution_path(self, text: str) -> list[tuple[str, int]]: ...
+
+
+@runtime_checkable
+class RendersOwnPrompts(Protocol):
+    """A task whose prompt is the whole model input (data=clm: the context file): no chat template is
+    put around it, it keeps within its own token budget, and a row grows up to that budget."""
+
+    renders_own_prompts: bool
+
+
+@dataclass(frozen=True)
+class TaskCapabilities:
+    """What the trainer and the algorithms may ask of a task beyond the `Task` contract, read from
+    its typed protocols in one place (`task_capabilities`), so no call site probes attributes."""
+
+    solution_path: Optional[Callable[[str], list]] = None  # HasSolutionPaths
+    several_paths: bool = False
+    segments: Optional[Callable[[Example], Segments]] = None  # HasArtifacts
+    renders_own_prompts: bool = False  # RendersOwnPrompts
+
+
+def task_capabilities(task: Any) -> TaskCapabilities:
+    """`task`'s optional capabilities; TypeError naming the task when a declaration is malformed."""
+    paths = isinstance(task, HasSolutionPaths)
+    own = isinstance(task, RendersOwnPrompts)
+    for key, ok in (("several_paths", not paths or isinstance(task.several_paths, bool)),
+                    ("renders_own_prompts", not own or isinstance(task.renders_own_prompts, bool))):
+        if not ok:
+            raise TypeError(f"task {type(task).__name__}: {key} must be True or False")
+    return TaskCapabilities(solution_path=task.solution_path if paths else None,
+                            several_paths=paths and task.several_paths,
+                            segments=task.segments if isinstance(task, HasArtifacts) else None,
+                            renders_own_prompts=own and task.renders_own_prompts)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from models.prompts import ChatTemplateError, chat_parts, plain_turns, render, use_chat
-from tasks.base import Example, Segments
+from tasks.base import Example, HasArtifacts, Segments, task_capabilities
 
 
 class ChatTask:
@@ -28,7 +28,7 @@ class ChatTask:
         task = self.__dict__.get("task")
         if task is None:
             raise AttributeError(name)
-        if name == "segments" and hasattr(task, "segments"):  # only a task with artifacts has segments
+        if name == "segments" and isinstance(task, HasArtifacts):  # only a task with artifacts has segments
             return self._segments
         return getattr(task, name)
 
@@ -63,7 +63,7 @@ def with_chat(task: Any, tokenizer: Any, mode: Any) -> Any:
 
     A task that renders its own prompt (data=clm: the context file is the whole input) is never
     wrapped; asking for a template there (`true`) is an error."""
-    if getattr(task, "renders_own_prompts", False):
+    if task_capabilities(task).renders_own_prompts:
         if str(mode).strip().lower() in ("true", "1", "yes", "on"):
             raise ChatTemplateError(f"task {task.name} writes its own prompts (the context file is the whole input); "
                                     "chat_template=true does not apply to it: use auto or false")

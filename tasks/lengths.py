@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from models.prompts import continuation_lengths, prompt_lengths
-from tasks.base import DataError, Example
+from tasks.base import DataError, Example, task_capabilities
 
 POLICIES = ("error", "skip", "truncate_left")
 SHOWN = 3  # examples named in a warning
@@ -170,7 +170,7 @@ class LengthFittedTask:
 def fit_lengths(task: Any, tokenizer: Any, limits: LengthLimits, model_positions: Optional[int] = None) -> Any:
     """`task` with examples fitted to `limits` (unset limits: the model's positions). A task that writes
     its own prompts (data=clm: it keeps its context within its own token budget) is returned as is."""
-    if getattr(task, "renders_own_prompts", False):
+    if task_capabilities(task).renders_own_prompts:
         return task
     limits = limits.resolved(model_positions)
     if limits.max_prompt_tokens is None and limits.max_length is None:

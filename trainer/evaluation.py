@@ -9,6 +9,7 @@ from inference import EngineConfig, SamplingParams
 from inference.serving import ServeOptions, serve_model
 from models.prompts import prompt_ids
 from trainer.distributed import World
+from tasks import task_capabilities
 
 EVAL_BATCH = 64
 
@@ -44,7 +45,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequen
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                             stop_token_ids=(tokenizer.eos_token_id,))
     correct = steps_ok = steps_total = differs = full_marks = differs_full = capped = 0
-    paths = hasattr(task, "solution_path")
+    paths = task_capabilities(task).solution_path is not None
     for start in range(0, len(mine), EVAL_BATCH):
         chunk = mine[start : start + EVAL_BATCH]
         if generate is not None:

@@ -71,6 +71,7 @@ from torch import nn
 
 from trainer.activations.manager import _storage_ptr as _ptr, _tensors_in as _tensors
 from trainer.activations.planner import FULL, RECOMPUTE, Profile, UnitProfile, _peaks
+from tasks import task_capabilities
 
 GIB = 1024 ** 3
 PROFILE_LENGTHS = (16, 32, 64)  # three lengths: the constant, per-token and per-token^2 terms are fitted exactly
@@ -147,7 +148,7 @@ def _bounds(cfg, shape, task, examples) -> list[int]:
     for ex in examples:
         prompt = max(size(p) for p in _row_texts(shape, task, ex))
         solution = size(ex.solution) if ex.solution is not None else 0
-        budget = (getattr(ex, "budget", 0) or cfg.data.budget) if getattr(task, "renders_own_prompts", False) else 0
+        budget = (getattr(ex, "budget", 0) or cfg.data.budget) if task_capabilities(task).renders_own_prompts else 0
         out.append(prompt + budget + _completions(shape, cfg, solution)[0])
     return out
 
@@ -165,7 +166,7 @@ def _lengths(cfg, shape, task, tokenizer, examples) -> list[tuple[int, str]]:
         i += len(row)
     solutions = continuation_lengths(tokenizer, [ex.solution or "" for ex in examples])
     # data=clm: a call's context grows up to the episode's budget
-    budget = [(getattr(ex, "budget", 0) or cfg.data.budget) if getattr(task, "renders_own_prompts", False) else 0
+    budget = [(getattr(ex, "budget", 0) or cfg.data.budget) if task_capabilities(task).renders_own_prompts else 0
               for ex in examples]
     out = []
     for p, s, b in zip(prompts, solutions, budget):

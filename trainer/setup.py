@@ -23,7 +23,7 @@ from algorithms.base import Algorithm, Capabilities, capabilities
 from models.loading import build_tiny, load_pretrained
 from models.quant_export import is_compressed
 from tasks import build_task
-from tasks import DataError
+from tasks import DataError, task_capabilities
 from tasks.chat import with_chat
 from tasks.lengths import LengthLimits, fit_lengths
 from trainer import checkpoint, default_model
@@ -138,6 +138,7 @@ def build_session(cfg: TrainConfig, world: World, model=None, tokenizer=None, ta
         model, tokenizer = load_model(cfg.model, world)
     task = prompts_for(task, tokenizer, cfg.data, world, model_positions(model),
                        with_teacher=cfg.algo.traits.needs_reference)
+    task_capabilities(task)  # the task's typed declarations, checked once: a malformed one fails before any work
     algo = build_algorithm(cfg.algo)
     caps = capabilities(algo)  # the contract, checked once; the loop never probes the algorithm
     if caps.check_task is not None:  # e.g. self-distillation needs reference solutions: fail before any work
