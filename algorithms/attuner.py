@@ -66,7 +66,8 @@ import torch
 from torch import Tensor, nn
 
 from algorithms import losses
-from algorithms.base import Batch, RolloutContext, SegmentTerms, StepOutput, TeacherTerms, Traits, pad_right
+from algorithms.base import (Batch, LossChunking, RolloutContext, SegmentTerms, StepOutput, TeacherBatching, TeacherTerms,
+                             Traits, pad_right)
 from algorithms.pic_forward import QUERY, SegmentIds, encode_context, segment_ids, split_rows, student_hidden
 from algorithms.rollouts import completion_mask, training_completions
 from algorithms.scoring import detached_head, predicting, sliced_final_hidden
@@ -82,7 +83,7 @@ COMPLETIONS = ("solutions", "teacher")
 
 
 @dataclass
-class AttunerConfig:
+class AttunerConfig(LossChunking, TeacherBatching):
     # FSDP2 untested: sharded weights and the cache encode. lr: 5e-3 measured on the tiny model; only q_proj
     # adapters train, and 5e-4 is what docs/attuner.md measured on SmolLM2-135M (100 steps: 58% of the KL removed).
     traits: ClassVar[Traits] = Traits(fsdp=False, tiny_lr=5e-3, pretrained_lr=5e-4)
@@ -93,8 +94,6 @@ class AttunerConfig:
     beta: float = 0.0  # 0 = forward KL(teacher || student); (0, 1] = generalized JSD (1 = reverse KL)
     kd_temperature: float = 1.0  # temperature of both distributions
     completions: str = "solutions"  # solutions (worked solutions + EOS) | teacher (the full-prefill base's greedy completions)
-    loss_chunk_tokens: int = 0  # tokens per logits chunk in the loss; 0 = from the vocabulary size
-    teacher_batch_size: int = 32  # rows per no-grad teacher forward, and artifacts per encoding forward
     seed: int = 0  # seeds the adapter init (lora_A; lora_B starts at zero)
 
     def validate(self) -> None:
@@ -110,10 +109,8 @@ class AttunerConfig:
             raise ValueError(f"algo.beta={self.beta} must be in [0, 1]")
         if self.kd_temperature <= 0:
             raise ValueError(f"algo.kd_temperature={self.kd_temperature} must be > 0")
-        if self.loss_chunk_tokens < 0:
-            raise ValueError(f"algo.loss_chunk_tokens={self.loss_chunk_tokens} must be >= 0 (0 = automatic)")
-        if self.teacher_batch_size <= 0:
-            raise ValueError(f"algo.teacher_batch_size={self.teacher_batch_size} must be > 0")
+        self.check_loss_chunking()
+        self.check_teacher_batching()  # here also the artifacts per encoding forward
 
     def check_run(self, max_steps: int, skeleton: Optional[Callable[[], nn.Module]]) -> None:
         """At config validation, on the meta-device skeleton (None: not known before loading, then

@@ -369,6 +369,32 @@ def capabilities(algo: Any) -> Capabilities:
     )
 
 
+# Option groups: config keys several algorithms share, declared once here and composed into each
+# algorithm's config dataclass by inheritance (like models.lora.LoRAOptions); each checks its own keys.
+
+
+@dataclass
+class LossChunking:
+    """The key of every algorithm whose loss runs over the output head in token chunks (losses.chunked_*)."""
+
+    loss_chunk_tokens: int = 0  # tokens per logits chunk in the loss; 0 = from the vocabulary size (~256 MiB of logits)
+
+    def check_loss_chunking(self) -> None:
+        if self.loss_chunk_tokens < 0:
+            raise ValueError(f"algo.loss_chunk_tokens={self.loss_chunk_tokens} must be >= 0 (0 = from the vocabulary size)")
+
+
+@dataclass
+class TeacherBatching:
+    """The key of every algorithm that scores its rows with a frozen teacher in no-grad forwards."""
+
+    teacher_batch_size: int = 32  # rows per no-grad teacher forward
+
+    def check_teacher_batching(self) -> None:
+        if self.teacher_batch_size <= 0:
+            raise ValueError(f"algo.teacher_batch_size={self.teacher_batch_size} must be > 0")
+
+
 @dataclass(frozen=True)
 class Traits:
     """What an algorithm's config declares before anything is built (checked by config validation)."""

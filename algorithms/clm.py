@@ -36,7 +36,7 @@ from torch import nn
 from algorithms import losses
 from algorithms.advantages import SCALES, group_advantages
 from algorithms.dynamic_sampling import Retirement, check_dynamic_keys, fill_groups
-from algorithms.base import Batch, PolicyTerms, RolloutContext, StepOutput, Traits
+from algorithms.base import Batch, LossChunking, PolicyTerms, RolloutContext, StepOutput, Traits
 from algorithms.rollouts import encode, encode_prompt, rollout_batch
 from algorithms.losses import k3_kl
 from algorithms.scoring import policy_logprobs, scatter_tokens, student_features
@@ -55,7 +55,7 @@ DYNAMIC_METRICS = ("signal", "success")
 
 
 @dataclass
-class CLMConfig(LoRAOptions):
+class CLMConfig(LoRAOptions, LossChunking):
     traits: ClassVar[Traits] = Traits(deepspeed=False, tiny_lr=1e-4, lora=True)
     name: str = "clm"
     num_generations: int = 8  # G episodes per task episode
@@ -74,7 +74,6 @@ class CLMConfig(LoRAOptions):
     reuse_min_span: int = 64
     reuse_reforward: int = 16
     reuse_min_gain: int = 32
-    loss_chunk_tokens: int = 0  # tokens per logits chunk; 0 = from the vocabulary size
     beta: float = 0.0  # k3 KL to the starting weights on every call token (0 = off, no reference copy)
     logprob_batch_size: int = 32  # call rows per no-grad forward for the reference log-probs
     dynamic_sampling: bool = False  # train only episode groups with a learning signal, playing more tasks to fill
@@ -100,8 +99,9 @@ class CLMConfig(LoRAOptions):
                              f"algo.epsilon_high={self.epsilon_high} >= 0")
         if self.max_calls < 1:
             raise ValueError(f"algo.max_calls={self.max_calls} must be >= 1")
-        if self.budget < 0 or self.advantage_eps < 0 or self.loss_chunk_tokens < 0 or self.lora_rank < 0:
-            raise ValueError("algo.budget, algo.advantage_eps, algo.loss_chunk_tokens and algo.lora_rank must be >= 0")
+        if self.budget < 0 or self.advantage_eps < 0 or self.lora_rank < 0:
+            raise ValueError("algo.budget, algo.advantage_eps and algo.lora_rank must be >= 0")
+        self.check_loss_chunking()
         if self.beta < 0:
             raise ValueError(f"algo.beta={self.beta} must be >= 0")
         if self.logprob_batch_size < 1:

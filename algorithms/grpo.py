@@ -44,7 +44,8 @@ from torch import nn
 
 from algorithms import losses
 from algorithms.advantages import SCALES, group_advantages
-from algorithms.base import Batch, PolicyTerms, RolloutContext, RowShape, StepOutput, TokenLogprobs, Traits
+from algorithms.base import (Batch, LossChunking, PolicyTerms, RolloutContext, RowShape, StepOutput, TokenLogprobs,
+                             Traits)
 from algorithms.dynamic_sampling import Retirement, check_dynamic_keys, fill_groups
 from algorithms.rollouts import encode_prompt, rollout_batch, sample
 from algorithms.losses import k3_kl
@@ -83,7 +84,7 @@ DYNAMIC_METRICS = ("reward", "correct")
 
 
 @dataclass
-class GRPOConfig(LoRAOptions):
+class GRPOConfig(LoRAOptions, LossChunking):
     traits: ClassVar[Traits] = Traits(prompt_sharing=True, tiny_lr=3e-5, lora=True)
     name: str = "grpo"
     num_generations: int = 8  # G completions per prompt
@@ -99,7 +100,6 @@ class GRPOConfig(LoRAOptions):
     num_iterations: int = 1  # optimizer steps per generated batch (> 1 stores old log-probs)
     beta: float = 0.0  # k3 KL to the starting weights
     loss_type: str = "token-mean"  # token-mean | seq-mean-token-mean | dr_grpo
-    loss_chunk_tokens: int = 0  # tokens per logits chunk; 0 = from the vocabulary size
     logprob_batch_size: int = 32  # rows per no-grad forward for old / reference log-probs
     # dynamic sampling: train only groups whose rewards spread, sampling more prompts to fill the batch
     dynamic_sampling: bool = False
@@ -126,8 +126,9 @@ class GRPOConfig(LoRAOptions):
                              f"algo.epsilon_high={self.epsilon_high} >= 0")
         if self.num_iterations < 1:
             raise ValueError(f"algo.num_iterations={self.num_iterations} must be >= 1")
-        if self.beta < 0 or self.advantage_eps < 0 or self.loss_chunk_tokens < 0 or self.lora_rank < 0:
-            raise ValueError("algo.beta, algo.advantage_eps, algo.loss_chunk_tokens and algo.lora_rank must be >= 0")
+        if self.beta < 0 or self.advantage_eps < 0 or self.lora_rank < 0:
+            raise ValueError("algo.beta, algo.advantage_eps and algo.lora_rank must be >= 0")
+        self.check_loss_chunking()
         check_dynamic_keys(self, DYNAMIC_METRICS)
         if self.logprob_batch_size <= 0:
             raise ValueError(f"algo.logprob_batch_size={self.logprob_batch_size} must be > 0")

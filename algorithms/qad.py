@@ -47,7 +47,8 @@ import torch
 from torch import nn
 
 from algorithms import losses
-from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms, Traits, pad_right
+from algorithms.base import (Batch, LossChunking, RolloutContext, StepOutput, TeacherBatching, TeacherTerms, Traits,
+                             pad_right)
 from algorithms.rollouts import completion_mask, encode_prompt, training_completions
 from algorithms.scoring import detached_head, predicting, student_features
 from models.anatomy import UnsupportedModel, capture_final_hidden, causal_lm, decoder_layers
@@ -62,7 +63,7 @@ HIDDEN, KL, CE = "hidden", "kl", "ce"
 
 
 @dataclass
-class QADConfig:
+class QADConfig(LossChunking, TeacherBatching):
     traits: ClassVar[Traits] = Traits(zero_steps=True, tiny_lr=3e-4, keeps_base=True)  # max_steps=0: evaluate and export the RTN student
     name: str = "qad"
     format: str = "W4A8"  # W4A4 | W4A8 | W8A8 | W4A16 | W8A16
@@ -76,8 +77,6 @@ class QADConfig:
     hidden_tokens: str = "all"  # all (every real token) | completion: tokens matched in hidden stages
     kd_temperature: float = 1.0  # the KL stage's temperature
     completions: str = "solutions"  # solutions (worked solutions) | teacher (its greedy completions)
-    loss_chunk_tokens: int = 0  # tokens per logits chunk in the KL / CE loss; 0 = from the vocabulary
-    teacher_batch_size: int = 32  # rows per no-grad teacher forward
     block_error_every: int = 10  # steps between per-block error measurements (0 = never)
     export_dequantized: bool = False  # also write final/dequantized/: plain HF weights q * scale
 
@@ -101,9 +100,10 @@ class QADConfig:
             raise ValueError(f"algo.warmup_fraction={self.warmup_fraction} must be in [0, 1]")
         if self.kd_temperature <= 0:
             raise ValueError(f"algo.kd_temperature={self.kd_temperature} must be > 0")
-        if self.teacher_batch_size <= 0 or self.loss_chunk_tokens < 0 or self.block_error_every < 0:
-            raise ValueError("algo.teacher_batch_size must be > 0; algo.loss_chunk_tokens and "
-                             "algo.block_error_every >= 0")
+        self.check_teacher_batching()
+        self.check_loss_chunking()
+        if self.block_error_every < 0:
+            raise ValueError(f"algo.block_error_every={self.block_error_every} must be >= 0 (0 = never)")
 
     @property
     def scheme(self):

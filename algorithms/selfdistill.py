@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from algorithms import losses
-from algorithms.base import Batch, StepOutput, Traits
+from algorithms.base import Batch, LossChunking, StepOutput, TeacherBatching, Traits
 from algorithms.scoring import scatter_tokens, student_features
 from algorithms.teacher import SelfTeacher
 from models.anatomy import Head
@@ -30,7 +30,7 @@ DIVERGENCES = ("full", "sampled")
 
 
 @dataclass
-class SelfDistillConfig(LoRAOptions):
+class SelfDistillConfig(LoRAOptions, LossChunking, TeacherBatching):
     """The keys OPSD, MASS and TESD share (each config adds `name` and its own keys)."""
 
     traits: ClassVar[Traits] = Traits(needs_reference=True, tiny_lr=3e-5, lora=True)  # the teacher prompt carries the reference
@@ -48,8 +48,6 @@ class SelfDistillConfig(LoRAOptions):
     top_k_tail: bool = False  # with teacher_top_k: keep each side's mass outside the top-k as one tail bucket
     skip_first_tokens: int = 0  # > 0: the first N completion tokens of each student row carry no loss
     is_clip: float = 0.0  # > 0: weight each token by min(pi_train / pi_sampler, is_clip) of its sampled token
-    loss_chunk_tokens: int = 0  # tokens per logits chunk in the loss; 0 = from the vocabulary size (~256 MiB of logits)
-    teacher_batch_size: int = 32  # rows per no-grad teacher forward
     # log paths/* (on / off the reference's solution path) when the task has several valid paths
     # (`several_paths`, e.g. data=multipath; never on arith); MASS pays one extra teacher pass per row for it
     path_diagnostics: bool = True
@@ -75,10 +73,10 @@ def check_self_distill_config(cfg: Any) -> None:
         raise ValueError("algo.teacher_refresh_margin and algo.teacher_warn_drop must be >= 0")
     if not 0.0 <= cfg.ema_decay < 1.0:
         raise ValueError(f"algo.ema_decay={cfg.ema_decay} must be in [0, 1)")
-    if cfg.teacher_batch_size <= 0:
-        raise ValueError(f"algo.teacher_batch_size={cfg.teacher_batch_size} must be > 0")
-    if cfg.lora_rank < 0 or cfg.loss_chunk_tokens < 0 or cfg.teacher_top_k < 0 or cfg.token_clip < 0:
-        raise ValueError("algo.lora_rank, algo.loss_chunk_tokens, algo.teacher_top_k and algo.token_clip must be >= 0")
+    cfg.check_teacher_batching()
+    cfg.check_loss_chunking()
+    if cfg.lora_rank < 0 or cfg.teacher_top_k < 0 or cfg.token_clip < 0:
+        raise ValueError("algo.lora_rank, algo.teacher_top_k and algo.token_clip must be >= 0")
     if cfg.skip_first_tokens < 0:
         raise ValueError(f"algo.skip_first_tokens={cfg.skip_first_tokens} must be >= 0")
     if cfg.is_clip < 0 or 0 < cfg.is_clip < 1:

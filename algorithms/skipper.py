@@ -56,7 +56,8 @@ import torch
 from torch import Tensor, nn
 
 from algorithms import losses
-from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms, Traits, pad_right
+from algorithms.base import (Batch, LossChunking, RolloutContext, StepOutput, TeacherBatching, TeacherTerms, Traits,
+                             pad_right)
 from algorithms.rollouts import completion_mask, encode_prompt, training_completions
 from algorithms.scoring import detached_head, predicting, sliced_final_hidden, student_features
 from models.anatomy import causal_lm, decoder_layers, final_hidden
@@ -70,7 +71,7 @@ COMPLETIONS = ("solutions", "base")
 
 
 @dataclass
-class SkipperConfig:
+class SkipperConfig(LossChunking, TeacherBatching):
     # lr: 3e-3 measured on the tiny default (docs/skipper.md). On a pretrained base only the new routers and
     # adapters train (the base is frozen), as with LoRA adapters: 1e-4, untuned.
     traits: ClassVar[Traits] = Traits(tiny_lr=3e-3, pretrained_lr=1e-4, low_bit_base=True, keeps_base=True)
@@ -83,8 +84,6 @@ class SkipperConfig:
     decision_grad: bool = True  # also train the routers through the run/skip decision (straight through)
     kd_temperature: float = 1.0  # loss=kl: temperature of both distributions
     completions: str = "solutions"  # solutions (worked solutions + EOS) | base (the base's greedy completions)
-    loss_chunk_tokens: int = 0  # tokens per logits chunk in the KL / CE loss; 0 = from the vocabulary
-    teacher_batch_size: int = 32  # rows per no-grad base forward
     seed: int = 0  # seeds the router and adapter init
 
     def validate(self) -> None:
@@ -97,10 +96,8 @@ class SkipperConfig:
             raise ValueError(f"algo.alpha={self.alpha} must be >= 0")
         if self.kd_temperature <= 0:
             raise ValueError(f"algo.kd_temperature={self.kd_temperature} must be > 0")
-        if self.teacher_batch_size <= 0:
-            raise ValueError(f"algo.teacher_batch_size={self.teacher_batch_size} must be > 0")
-        if self.loss_chunk_tokens < 0:
-            raise ValueError(f"algo.loss_chunk_tokens={self.loss_chunk_tokens} must be >= 0 (0 = automatic)")
+        self.check_teacher_batching()  # the teacher is the base: every router forced to run
+        self.check_loss_chunking()
 
     def check_run(self, max_steps: int, skeleton: Optional[Callable[[], nn.Module]]) -> None:
         """The routed layers against the model's depth (a meta-device skeleton; None: not known

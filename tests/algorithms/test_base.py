@@ -87,3 +87,36 @@ def test_every_config_declares_traits_and_validates_its_values():
         cfg().validate()  # the defaults are valid
     with pytest.raises(ValueError, match=r"algo.mask_ratio=1.5 must be in \[0, 1\]"):
         REGISTRY["sft"][0](mask_ratio=1.5).validate()
+
+
+def declaring_classes(key: str) -> set[str]:
+    """The classes that declare config field `key`, over every algorithm's config dataclass."""
+    import dataclasses
+
+    from algorithms import config_schemas
+
+    owners = set()
+    for cls in config_schemas().values():
+        if key in {f.name for f in dataclasses.fields(cls)}:
+            owners.add(next(k for k in cls.__mro__ if key in k.__dict__.get("__annotations__", {})).__qualname__)
+    return owners
+
+
+def test_shared_keys_are_declared_once():
+    """Keys several algorithms share come from one option group each (composed by inheritance), so
+    their default, meaning and check cannot drift between algorithms."""
+    groups = {"loss_chunk_tokens": "LossChunking", "teacher_batch_size": "TeacherBatching",
+              "lora_targets": "LoRAOptions"}
+    for key, group in groups.items():
+        assert declaring_classes(key) == {group}, key
+
+
+def test_an_option_group_checks_its_keys():
+    from algorithms.base import LossChunking, TeacherBatching
+
+    with pytest.raises(ValueError, match=r"algo.loss_chunk_tokens=-1 must be >= 0"):
+        LossChunking(loss_chunk_tokens=-1).check_loss_chunking()
+    with pytest.raises(ValueError, match=r"algo.teacher_batch_size=0 must be > 0"):
+        TeacherBatching(teacher_batch_size=0).check_teacher_batching()
+    LossChunking().check_loss_chunking()
+    TeacherBatching().check_teacher_batching()
