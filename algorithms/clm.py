@@ -35,7 +35,7 @@ from torch import nn
 
 from algorithms import losses
 from algorithms.advantages import SCALES, group_advantages
-from algorithms.dynamic_sampling import Retirement, check_dynamic_keys, fill_groups
+from algorithms.dynamic_sampling import DynamicSampling, Retirement, fill_groups
 from algorithms.base import Batch, LossChunking, PolicyTerms, RolloutContext, StepOutput, Traits
 from algorithms.rollouts import encode, encode_prompt, rollout_batch
 from algorithms.losses import k3_kl
@@ -55,7 +55,7 @@ DYNAMIC_METRICS = ("signal", "success")
 
 
 @dataclass
-class CLMConfig(LoRAOptions, LossChunking):
+class CLMConfig(LoRAOptions, LossChunking, DynamicSampling):
     traits: ClassVar[Traits] = Traits(deepspeed=False, tiny_lr=1e-4, lora=True)
     name: str = "clm"
     num_generations: int = 8  # G episodes per task episode
@@ -76,11 +76,7 @@ class CLMConfig(LoRAOptions, LossChunking):
     reuse_min_gain: int = 32
     beta: float = 0.0  # k3 KL to the starting weights on every call token (0 = off, no reference copy)
     logprob_batch_size: int = 32  # call rows per no-grad forward for the reference log-probs
-    dynamic_sampling: bool = False  # train only episode groups with a learning signal, playing more tasks to fill
-    dynamic_max_rounds: int = 4  # rounds of episodes per step at most, the first included
-    dynamic_metric: str = "signal"  # signal (success or the successes' compute differs) | success (success differs)
-    retire_after: int = 0  # > 0 (with dynamic_sampling): retire a task all of whose episodes succeeded, or all
-    # failed, on this many visits in a row; it is not played again
+    dynamic_metric: str = "signal"  # dynamic sampling's spread: signal (success or the successes' compute differs) | success
 
     def validate(self) -> None:
         if self.num_generations < 1:
@@ -91,7 +87,7 @@ class CLMConfig(LoRAOptions, LossChunking):
             raise ValueError(f"algo.top_p={self.top_p} must be in (0, 1]")
         if self.w_eff < 0:
             raise ValueError(f"algo.w_eff={self.w_eff} must be >= 0")
-        check_dynamic_keys(self, DYNAMIC_METRICS)
+        self.check_dynamic_sampling(DYNAMIC_METRICS)
         if self.scale_rewards not in SCALES:
             raise ValueError(f"algo.scale_rewards={self.scale_rewards} is not one of {', '.join(SCALES)}")
         if not (0.0 <= self.epsilon_low < 1.0 and self.epsilon_high >= 0.0):

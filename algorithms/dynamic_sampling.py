@@ -12,8 +12,9 @@ stay in step and no collective is left waiting. When the cap is hit the batch tr
 found, fewer than asked (`stats.cap_hit`); with none at all it trains the first round's groups, whose
 advantages are all 0 (the trainer then skips the optimizer step: `train/skipped_steps`).
 
-Shared by GRPO, CLM's stepwise GRPO and TESD's teacher term: the key check (`check_dynamic_keys`) and
-the difficulty filter across epochs (`Retirement`, `retire_after`).
+Shared by GRPO, CLM's stepwise GRPO and TESD's teacher term: the keys (the `DynamicSampling` option
+group, with their check) and the difficulty filter across epochs (`Retirement`, `retire_after`). Each
+algorithm declares its own `dynamic_metric`, since what spreads differs between them.
 """
 from __future__ import annotations
 
@@ -75,9 +76,23 @@ def fill_groups(examples: Sequence[Any], draw: Optional[Callable[[], Sequence[An
     return (kept[:want] if kept else first), stats
 
 
+@dataclass
+class DynamicSampling:
+    """The dynamic-sampling keys of the group-based algorithms (grpo, clm, tesd), composed into their
+    configs; each also declares `dynamic_metric` (which spread counts) with the values it accepts."""
+
+    dynamic_sampling: bool = False  # train only groups whose metric spreads, sampling more prompts to fill the batch
+    dynamic_max_rounds: int = 4  # generation rounds per step at most, the first included
+    retire_after: int = 0  # > 0 (with dynamic_sampling): retire a prompt whose group was all right, or all
+    # wrong, on this many visits in a row; it is not sampled again
+
+    def check_dynamic_sampling(self, metrics: Sequence[str]) -> None:
+        check_dynamic_keys(self, metrics)
+
+
 def check_dynamic_keys(cfg: Any, metrics: Sequence[str]) -> None:
-    """The dynamic-sampling keys every group-based algorithm shares: `dynamic_max_rounds` >= 1,
-    `dynamic_metric` one of `metrics`, `retire_after` >= 0 and > 0 only with `dynamic_sampling`."""
+    """The dynamic-sampling keys: `dynamic_max_rounds` >= 1, `dynamic_metric` one of `metrics`,
+    `retire_after` >= 0 and > 0 only with `dynamic_sampling`."""
     if cfg.dynamic_max_rounds < 1:
         raise ValueError(f"algo.dynamic_max_rounds={cfg.dynamic_max_rounds} must be >= 1")
     if cfg.dynamic_metric not in metrics:

@@ -46,7 +46,7 @@ from algorithms import losses
 from algorithms.advantages import SCALES, group_advantages
 from algorithms.base import (Batch, LossChunking, PolicyTerms, RolloutContext, RowShape, StepOutput, TokenLogprobs,
                              Traits)
-from algorithms.dynamic_sampling import Retirement, check_dynamic_keys, fill_groups
+from algorithms.dynamic_sampling import DynamicSampling, Retirement, fill_groups
 from algorithms.rollouts import encode_prompt, rollout_batch, sample
 from algorithms.losses import k3_kl
 from algorithms.scoring import policy_logprobs, scatter_tokens, student_features
@@ -84,7 +84,7 @@ DYNAMIC_METRICS = ("reward", "correct")
 
 
 @dataclass
-class GRPOConfig(LoRAOptions, LossChunking):
+class GRPOConfig(LoRAOptions, LossChunking, DynamicSampling):
     traits: ClassVar[Traits] = Traits(prompt_sharing=True, tiny_lr=3e-5, lora=True)
     name: str = "grpo"
     num_generations: int = 8  # G completions per prompt
@@ -101,12 +101,7 @@ class GRPOConfig(LoRAOptions, LossChunking):
     beta: float = 0.0  # k3 KL to the starting weights
     loss_type: str = "token-mean"  # token-mean | seq-mean-token-mean | dr_grpo
     logprob_batch_size: int = 32  # rows per no-grad forward for old / reference log-probs
-    # dynamic sampling: train only groups whose rewards spread, sampling more prompts to fill the batch
-    dynamic_sampling: bool = False
-    dynamic_max_rounds: int = 4  # generation rounds per step at most, the first included
-    dynamic_metric: str = "reward"  # the spread that counts: reward (the training reward) | correct (the answer)
-    retire_after: int = 0  # > 0 (with dynamic_sampling): retire a prompt all of whose completions were right, or
-    # all wrong, on this many visits in a row; it is not sampled again
+    dynamic_metric: str = "reward"  # dynamic sampling's spread: reward (the training reward) | correct (the answer)
 
     def validate(self) -> None:
         if self.num_generations < 1:
@@ -129,7 +124,7 @@ class GRPOConfig(LoRAOptions, LossChunking):
         if self.beta < 0 or self.advantage_eps < 0 or self.lora_rank < 0:
             raise ValueError("algo.beta, algo.advantage_eps and algo.lora_rank must be >= 0")
         self.check_loss_chunking()
-        check_dynamic_keys(self, DYNAMIC_METRICS)
+        self.check_dynamic_sampling(DYNAMIC_METRICS)
         if self.logprob_batch_size <= 0:
             raise ValueError(f"algo.logprob_batch_size={self.logprob_batch_size} must be > 0")
         if self.reward_fn is not None:

@@ -36,7 +36,7 @@ from torch import nn
 from algorithms import losses
 from algorithms.advantages import group_advantages
 from algorithms.base import Batch, PolicyTerms, RolloutContext, StepOutput, TeacherTerms, pad_right
-from algorithms.dynamic_sampling import Retirement, check_dynamic_keys, fill_groups
+from algorithms.dynamic_sampling import DynamicSampling, Retirement, fill_groups
 from algorithms.rollouts import completion_mask, encode, encode_prompt, require_references, rollout_batch, sample
 from algorithms.scoring import detached_head, predicting, scatter_tokens, student_features, teacher_hidden
 from algorithms.selfdistill import (SelfDistillConfig, check_self_distill_config, diagnoses_paths, distill_terms,
@@ -53,7 +53,7 @@ DYNAMIC_METRICS = ("correct", "reward")
 
 
 @dataclass
-class TESDConfig(SelfDistillConfig):
+class TESDConfig(SelfDistillConfig, DynamicSampling):
     name: str = "tesd"
     teacher: str = "current"  # TESD trains the teacher itself
     teacher_rollouts: int = 4  # G per question, under the privileged prompt
@@ -68,11 +68,7 @@ class TESDConfig(SelfDistillConfig):
     advantage_eps: float = 1e-4
     # dynamic sampling of the teacher term: train only teacher groups whose rewards spread, drawing more
     # questions (teacher rollouts only) to fill it; the student term keeps the step's own questions
-    dynamic_sampling: bool = False
-    dynamic_max_rounds: int = 4  # generation rounds per step at most, the first included
     dynamic_metric: str = "correct"  # correct (the verifier's score) | reward (+ independence: spreads almost always)
-    retire_after: int = 0  # > 0 (with dynamic_sampling): a question whose teacher group was all right, or all
-    # wrong, on this many visits in a row is not drawn again for the teacher term
 
     def validate(self) -> None:
         check_self_distill_config(self)
@@ -82,7 +78,7 @@ class TESDConfig(SelfDistillConfig):
             raise ValueError(f"algo.teacher_rollouts={self.teacher_rollouts} must be >= 2 (group-relative advantages)")
         if self.reward_mode not in REWARD_MODES:
             raise ValueError(f"algo.reward_mode={self.reward_mode} is not one of {', '.join(REWARD_MODES)}")
-        check_dynamic_keys(self, DYNAMIC_METRICS)
+        self.check_dynamic_sampling(DYNAMIC_METRICS)
         if self.alpha < 0 or self.independence_weight < 0 or self.copy_ngram < 0:
             raise ValueError("algo.alpha, algo.independence_weight and algo.copy_ngram must be >= 0")
 

@@ -106,7 +106,8 @@ def test_shared_keys_are_declared_once():
     """Keys several algorithms share come from one option group each (composed by inheritance), so
     their default, meaning and check cannot drift between algorithms."""
     groups = {"loss_chunk_tokens": "LossChunking", "teacher_batch_size": "TeacherBatching",
-              "lora_targets": "LoRAOptions"}
+              "lora_targets": "LoRAOptions", "dynamic_sampling": "DynamicSampling",
+              "dynamic_max_rounds": "DynamicSampling", "retire_after": "DynamicSampling"}
     for key, group in groups.items():
         assert declaring_classes(key) == {group}, key
 
