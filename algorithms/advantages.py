@@ -5,11 +5,30 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 SCALES = ("group", "batch", "none")
+
+
+@dataclass
+class GroupRollouts:
+    """The keys of the group-relative policy-gradient algorithms (grpo, clm), composed into their
+    configs with their check: G samples per prompt, scored against each other."""
+
+    num_generations: int = 8  # G samples per prompt (grpo: completions; clm: episodes per task)
+    scale_rewards: str = "group"  # group | batch | none: what the centred rewards are divided by
+    advantage_eps: float = 1e-4  # added to the std before dividing
+
+    def check_group_rollouts(self) -> None:
+        if self.num_generations < 1:
+            raise ValueError(f"algo.num_generations={self.num_generations} must be >= 1")
+        if self.scale_rewards not in SCALES:
+            raise ValueError(f"algo.scale_rewards={self.scale_rewards} is not one of {', '.join(SCALES)}")
+        if self.advantage_eps < 0:
+            raise ValueError(f"algo.advantage_eps={self.advantage_eps} must be >= 0")
 
 
 def group_advantages(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, eps: float = 1e-4,

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from algorithms import losses
-from algorithms.advantages import SCALES, group_advantages
+from algorithms.advantages import GroupRollouts, group_advantages
 from algorithms.dynamic_sampling import DynamicSampling, Retirement, fill_groups
 from algorithms.base import Batch, LossChunking, PolicyTerms, RolloutContext, StepOutput, Traits
 from algorithms.rollouts import encode, encode_prompt, rollout_batch
@@ -55,15 +55,12 @@ DYNAMIC_METRICS = ("signal", "success")
 
 
 @dataclass
-class CLMConfig(LoRAOptions, LossChunking, DynamicSampling):
+class CLMConfig(LoRAOptions, LossChunking, DynamicSampling, GroupRollouts):
     traits: ClassVar[Traits] = Traits(deepspeed=False, tiny_lr=1e-4, lora=True)
     name: str = "clm"
-    num_generations: int = 8  # G episodes per task episode
     temperature: float = 1.0  # rollout temperature; the loss divides logits by it too
     top_p: float = 1.0
     w_eff: float = 0.25  # weight of the efficiency advantage on edit calls (0 = plain stepwise GRPO)
-    scale_rewards: str = "group"  # group | batch | none
-    advantage_eps: float = 1e-4
     epsilon_low: float = 0.2
     epsilon_high: float = 0.28
     max_calls: int = 16  # model calls per episode; more ends it as `call_cap` (reward 0)
@@ -79,8 +76,7 @@ class CLMConfig(LoRAOptions, LossChunking, DynamicSampling):
     dynamic_metric: str = "signal"  # dynamic sampling's spread: signal (success or the successes' compute differs) | success
 
     def validate(self) -> None:
-        if self.num_generations < 1:
-            raise ValueError(f"algo.num_generations={self.num_generations} must be >= 1")
+        self.check_group_rollouts()
         if self.temperature <= 0:
             raise ValueError(f"algo.temperature={self.temperature} must be > 0 (rollouts sample)")
         if not 0.0 < self.top_p <= 1.0:
@@ -88,15 +84,13 @@ class CLMConfig(LoRAOptions, LossChunking, DynamicSampling):
         if self.w_eff < 0:
             raise ValueError(f"algo.w_eff={self.w_eff} must be >= 0")
         self.check_dynamic_sampling(DYNAMIC_METRICS)
-        if self.scale_rewards not in SCALES:
-            raise ValueError(f"algo.scale_rewards={self.scale_rewards} is not one of {', '.join(SCALES)}")
         if not (0.0 <= self.epsilon_low < 1.0 and self.epsilon_high >= 0.0):
             raise ValueError(f"algo.epsilon_low={self.epsilon_low} must be in [0, 1) and "
                              f"algo.epsilon_high={self.epsilon_high} >= 0")
         if self.max_calls < 1:
             raise ValueError(f"algo.max_calls={self.max_calls} must be >= 1")
-        if self.budget < 0 or self.advantage_eps < 0 or self.lora_rank < 0:
-            raise ValueError("algo.budget, algo.advantage_eps and algo.lora_rank must be >= 0")
+        if self.budget < 0 or self.lora_rank < 0:
+            raise ValueError("algo.budget and algo.lora_rank must be >= 0")
         self.check_loss_chunking()
         if self.beta < 0:
             raise ValueError(f"algo.beta={self.beta} must be >= 0")

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from algorithms import losses
-from algorithms.advantages import SCALES, group_advantages
+from algorithms.advantages import GroupRollouts, group_advantages
 from algorithms.base import (Batch, LossChunking, PolicyTerms, RolloutContext, RowShape, StepOutput, TokenLogprobs,
                              Traits)
 from algorithms.dynamic_sampling import DynamicSampling, Retirement, fill_groups
@@ -84,17 +84,14 @@ DYNAMIC_METRICS = ("reward", "correct")
 
 
 @dataclass
-class GRPOConfig(LoRAOptions, LossChunking, DynamicSampling):
+class GRPOConfig(LoRAOptions, LossChunking, DynamicSampling, GroupRollouts):
     traits: ClassVar[Traits] = Traits(prompt_sharing=True, tiny_lr=3e-5, lora=True)
     name: str = "grpo"
-    num_generations: int = 8  # G completions per prompt
     temperature: float = 1.0  # rollout temperature; the loss divides logits by it too
     top_p: float = 1.0
     reward_mode: str = "steps"  # answer | steps | partial (tasks.score)
     reward_fn: Optional[str] = None  # "module:function" -> float | None, replaces the verifier reward
     format_weight: float = 0.0  # added when the completion states a final answer the verifier reads
-    scale_rewards: str = "group"  # group | batch | none
-    advantage_eps: float = 1e-4
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     num_iterations: int = 1  # optimizer steps per generated batch (> 1 stores old log-probs)
@@ -104,16 +101,13 @@ class GRPOConfig(LoRAOptions, LossChunking, DynamicSampling):
     dynamic_metric: str = "reward"  # dynamic sampling's spread: reward (the training reward) | correct (the answer)
 
     def validate(self) -> None:
-        if self.num_generations < 1:
-            raise ValueError(f"algo.num_generations={self.num_generations} must be >= 1")
+        self.check_group_rollouts()
         if self.temperature <= 0:
             raise ValueError(f"algo.temperature={self.temperature} must be > 0 (rollouts sample)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"algo.top_p={self.top_p} must be in (0, 1]")
         if self.reward_mode not in REWARD_MODES:
             raise ValueError(f"algo.reward_mode={self.reward_mode} is not one of {', '.join(REWARD_MODES)}")
-        if self.scale_rewards not in SCALES:
-            raise ValueError(f"algo.scale_rewards={self.scale_rewards} is not one of {', '.join(SCALES)}")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"algo.loss_type={self.loss_type} is not one of {', '.join(LOSS_TYPES)}")
         if not (0.0 <= self.epsilon_low < 1.0 and self.epsilon_high >= 0.0):
@@ -121,8 +115,8 @@ class GRPOConfig(LoRAOptions, LossChunking, DynamicSampling):
                              f"algo.epsilon_high={self.epsilon_high} >= 0")
         if self.num_iterations < 1:
             raise ValueError(f"algo.num_iterations={self.num_iterations} must be >= 1")
-        if self.beta < 0 or self.advantage_eps < 0 or self.lora_rank < 0:
-            raise ValueError("algo.beta, algo.advantage_eps and algo.lora_rank must be >= 0")
+        if self.beta < 0 or self.lora_rank < 0:
+            raise ValueError("algo.beta and algo.lora_rank must be >= 0")
         self.check_loss_chunking()
         self.check_dynamic_sampling(DYNAMIC_METRICS)
         if self.logprob_batch_size <= 0:

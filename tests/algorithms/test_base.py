@@ -107,7 +107,8 @@ def test_shared_keys_are_declared_once():
     their default, meaning and check cannot drift between algorithms."""
     groups = {"loss_chunk_tokens": "LossChunking", "teacher_batch_size": "TeacherBatching",
               "lora_targets": "LoRAOptions", "dynamic_sampling": "DynamicSampling",
-              "dynamic_max_rounds": "DynamicSampling", "retire_after": "DynamicSampling"}
+              "dynamic_max_rounds": "DynamicSampling", "retire_after": "DynamicSampling",
+              "num_generations": "GroupRollouts", "scale_rewards": "GroupRollouts"}
     for key, group in groups.items():
         assert declaring_classes(key) == {group}, key
 
