@@ -343,12 +343,14 @@ def main() -> None:
 
 
 def results_name(args) -> str:
-    """tiny for the default model and runs; otherwise a short hash of the overrides that change them."""
-    if not args.config and not args.extra:
+    """tiny for the default model, runs and eval size; otherwise a short hash of what changes them
+    (so per-run files of another setting are never read back as this one's)."""
+    if not args.config and not args.extra and (args.steps, args.eval_examples) == (200, 100):
         return "tiny"
     import hashlib
 
-    return "cfg-" + hashlib.sha1(json.dumps([args.config, args.extra]).encode()).hexdigest()[:8]
+    key = [args.config, args.extra, args.steps, args.eval_examples]
+    return "cfg-" + hashlib.sha1(json.dumps(key).encode()).hexdigest()[:8]
 
 
 CELL_NAMES = {"single/test": "single", "select/test": "select", "combine/test": "combine",

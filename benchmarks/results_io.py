@@ -46,6 +46,10 @@ def provenance(script: Optional[str] = None, argv: Optional[list] = None) -> dic
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                                 text=True, timeout=10).stdout.strip() or None
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                 capture_output=True, text=True, timeout=10).stdout.strip()
+        if commit and changed:
+            commit += "+changes"  # measured with uncommitted changes to tracked files
     except (OSError, subprocess.SubprocessError):
         commit = None
     script = script or (sys.argv[0] if sys.argv and sys.argv[0] else "?")

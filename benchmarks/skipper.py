@@ -315,6 +315,17 @@ def measure_target(args, target: float, tok, wide_base, prompts) -> dict:
             "decode": {str(b): v for b, v in decode_info.items()}}
 
 
+def measure_tag(args) -> str:
+    """"" at the default measurement settings, else a short hash of them: a per-run file measured
+    otherwise (other batch sizes, steps, repeats, fractions or eval size) is never read back as this one."""
+    key = [args.eval_examples, args.new_tokens, args.repeats, args.batches, args.fractions]
+    if key == [100, 40, 3, [1, 8, 32], [0.25, 0.5, 0.75, 1.0]]:
+        return ""
+    import hashlib
+
+    return "-m" + hashlib.sha1(json.dumps(key).encode()).hexdigest()[:6]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/posttrain/bench-skipper"))
@@ -340,7 +351,7 @@ def main() -> None:
     from models.loading import load_pretrained
 
     def kept(name: str):
-        return os.path.join(args.out, "skipper", name + ".json") if args.out else None
+        return os.path.join(args.out, "skipper", name + measure_tag(args) + ".json") if args.out else None
 
     meta = provenance()
     torch.set_num_threads(1)

@@ -102,3 +102,16 @@ def test_attuner_recovers_only_gaps_beyond_noise():
     table = {"full": {"a": 0.95, "b": 0.14}, "pic": {"a": 0.85, "b": 0.11}, "attuner": {"a": 0.90, "b": 0.13}}
     rec = attuner.gap_recovered(table)
     assert rec["a"] == pytest.approx(0.5) and rec["b"] is None  # b: a 0.03 gap is noise at n=100
+
+
+def test_per_run_files_of_other_settings_are_kept_apart():
+    from argparse import Namespace
+
+    base = dict(config=[], extra=[], steps=200, eval_examples=100)
+    assert attuner.results_name(Namespace(**base)) == "tiny"
+    other = {attuner.results_name(Namespace(**{**base, **change}))
+             for change in ({"eval_examples": 2}, {"steps": 3}, {"extra": ["trainer.lr=1e-3"]})}
+    assert len(other) == 3 and all(n.startswith("cfg-") for n in other)
+    defaults = dict(eval_examples=100, new_tokens=40, repeats=3, batches=[1, 8, 32], fractions=[0.25, 0.5, 0.75, 1.0])
+    assert skipper.measure_tag(Namespace(**defaults)) == ""
+    assert skipper.measure_tag(Namespace(**{**defaults, "batches": [1, 2]})).startswith("-m")
