@@ -51,6 +51,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # benchmarks.results_io, also when another benchmark imports this one
+    sys.path.insert(0, ROOT)
 SETTINGS = {
     "arith": [],  # the embedded default: 2-digit operands, 2 chained operations
     "arith-hard": ["data.digits=3"],  # 3-digit operands: longer column working than the warm start saw
