@@ -87,19 +87,16 @@ class DynamicSampling:
     # wrong, on this many visits in a row; it is not sampled again
 
     def check_dynamic_sampling(self, metrics: Sequence[str]) -> None:
-        check_dynamic_keys(self, metrics)
-
-
-def check_dynamic_keys(cfg: Any, metrics: Sequence[str]) -> None:
-    """The dynamic-sampling keys: `dynamic_max_rounds` >= 1, `dynamic_metric` one of `metrics`,
-    `retire_after` >= 0 and > 0 only with `dynamic_sampling`."""
-    if cfg.dynamic_max_rounds < 1:
-        raise ValueError(f"algo.dynamic_max_rounds={cfg.dynamic_max_rounds} must be >= 1")
-    if cfg.dynamic_metric not in metrics:
-        raise ValueError(f"algo.dynamic_metric={cfg.dynamic_metric} is not one of {', '.join(metrics)}")
-    if cfg.retire_after < 0 or (cfg.retire_after > 0 and not cfg.dynamic_sampling):
-        raise ValueError(f"algo.retire_after={cfg.retire_after} must be >= 0, and > 0 only with "
-                         "algo.dynamic_sampling=true (retired prompts are replaced by drawing more)")
+        """`dynamic_max_rounds` >= 1, the config's `dynamic_metric` one of `metrics`, `retire_after`
+        >= 0 and > 0 only with `dynamic_sampling`."""
+        metric = getattr(self, "dynamic_metric")  # declared by each algorithm's config, with its own values
+        if self.dynamic_max_rounds < 1:
+            raise ValueError(f"algo.dynamic_max_rounds={self.dynamic_max_rounds} must be >= 1")
+        if metric not in metrics:
+            raise ValueError(f"algo.dynamic_metric={metric} is not one of {', '.join(metrics)}")
+        if self.retire_after < 0 or (self.retire_after > 0 and not self.dynamic_sampling):
+            raise ValueError(f"algo.retire_after={self.retire_after} must be >= 0, and > 0 only with "
+                             "algo.dynamic_sampling=true (retired prompts are replaced by drawing more)")
 
 
 class Retirement:

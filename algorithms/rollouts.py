@@ -8,7 +8,7 @@ inference engine, and lay prompt + completion rows out as a training Batch.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -80,15 +80,15 @@ def require_references(examples: Sequence[Any], algo_name: str) -> None:
 
 
 def training_completions(source: str, examples: Sequence[Any], prompts: list[list[int]], ctx: RolloutContext,
-                         generate: Any = None) -> list[list[int]]:
+                         generate: Callable[[list[list[int]], Any], Sequence[Any]]) -> list[list[int]]:
     """The completion tokens of training rows that distil a frozen model (qad, skipper, attuner):
     `source="solutions"`: each example's worked solution + EOS; otherwise the teacher's greedy
     completion of each prompt, up to `ctx.max_new_tokens` and stopping at EOS, from
-    `generate(prompts, params)` (the teacher behind the serving door; default `ctx.engine.generate`)."""
+    `generate(prompts, params)` (the teacher behind the serving door)."""
     tok = ctx.tokenizer
     if source == "solutions":
         return [encode(tok, ex.solution) + [tok.eos_token_id] for ex in examples]
     from inference import SamplingParams
 
     params = SamplingParams(max_new_tokens=ctx.max_new_tokens, temperature=0.0, stop_token_ids=(tok.eos_token_id,))
-    return [list(o.tokens) for o in (generate or ctx.engine.generate)(prompts, params)]
+    return [list(o.tokens) for o in generate(prompts, params)]

@@ -144,11 +144,12 @@ def _bounds(cfg, shape, task, examples) -> list[int]:
     """Cheap upper bounds of each example's longest row (a token covers at least one byte; +2 slack for
     a BOS and a word-boundary token, as tasks/lengths.py bounds lengths without tokenizing)."""
     size = lambda text: len(text.encode("utf-8")) + 2  # noqa: E731
+    own = task_capabilities(task).renders_own_prompts
     out = []
     for ex in examples:
         prompt = max(size(p) for p in _row_texts(shape, task, ex))
         solution = size(ex.solution) if ex.solution is not None else 0
-        budget = (getattr(ex, "budget", 0) or cfg.data.budget) if task_capabilities(task).renders_own_prompts else 0
+        budget = (getattr(ex, "budget", 0) or cfg.data.budget) if own else 0
         out.append(prompt + budget + _completions(shape, cfg, solution)[0])
     return out
 
@@ -166,8 +167,8 @@ def _lengths(cfg, shape, task, tokenizer, examples) -> list[tuple[int, str]]:
         i += len(row)
     solutions = continuation_lengths(tokenizer, [ex.solution or "" for ex in examples])
     # data=clm: a call's context grows up to the episode's budget
-    budget = [(getattr(ex, "budget", 0) or cfg.data.budget) if task_capabilities(task).renders_own_prompts else 0
-              for ex in examples]
+    own = task_capabilities(task).renders_own_prompts
+    budget = [(getattr(ex, "budget", 0) or cfg.data.budget) if own else 0 for ex in examples]
     out = []
     for p, s, b in zip(prompts, solutions, budget):
         extra, kind = _completions(shape, cfg, s)
