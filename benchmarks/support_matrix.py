@@ -101,8 +101,10 @@ ARCHS = {
 NEW = 12
 PROMPTS = ["q: 12+7?\na: ", "q: tom has 3 apples.\na: ", "hi", "q: 40-18?\na: 40"]
 
-# Small sizes as tests/conftest.py's TINY, with the model keys replaced by model=hf model.path=DIR.
-SMALL = ["data.digits=2", "data.steps=1", "data.n_train=32", "data.n_test=8", "trainer.max_steps=1",
+# Small sizes as tests/conftest.py's TINY, with the model keys replaced by model=hf model.path=DIR; ARITH are
+# the arith task's own keys, for the algorithms that run on it (PER_ALGO names any other task).
+ARITH = ["data.digits=2", "data.steps=1"]
+SMALL = ["data.n_train=32", "data.n_test=8", "trainer.max_steps=1",
          "trainer.batch_size=4", "trainer.micro_batch_size=4", "trainer.eval_every=1000", "trainer.eval_examples=4",
          "trainer.eval_max_new_tokens=8", "trainer.max_new_tokens=16", "trainer.save_every=1000",
          "trainer.warmup_steps=1", "trainer.resume=never", "logging.wandb=false", "logging.progress=false"]
@@ -318,8 +320,9 @@ def run_algo(algo: str, model_dir: Path, out_dir: Path, log) -> tuple[tuple[str,
     from trainer.loop import fit
     from trainer.setup import build_session, export_final
 
-    overrides = [f"+algo={algo}", "model=hf", f"model.path={model_dir}", *SMALL, *PER_ALGO.get(algo, []),
-                 f"output_dir={out_dir}"]
+    own = PER_ALGO.get(algo, [])
+    task = [] if any(o.startswith("data=") for o in own) else ARITH
+    overrides = [f"+algo={algo}", "model=hf", f"model.path={model_dir}", *SMALL, *task, *own, f"output_dir={out_dir}"]
     with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:

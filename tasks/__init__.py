@@ -23,10 +23,10 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from tasks.arith import ArithTask
-from tasks.multipath import MultiPathTask
-from tasks.artifacts import ArtifactTask, kind_of
-from tasks.clm import ClmTask, ContextEnv, Episode, EpisodeError, scripted_output
+from tasks.arith import ArithConfig, ArithTask
+from tasks.multipath import MultiPathConfig, MultiPathTask
+from tasks.artifacts import ArtifactTask, ArtifactsConfig, kind_of
+from tasks.clm import ClmConfig, ClmTask, ContextEnv, Episode, EpisodeError, scripted_output
 from tasks.context_file import TINY_FORMAT, Action, ContextFile, ContextFormat, Turn, parse_action
 from tasks.base import (
     DataError,
@@ -34,9 +34,11 @@ from tasks.base import (
     HasArtifacts,
     HasSolutionPaths,
     RendersOwnPrompts,
+    PromptTemplates,
     Segments,
     Task,
     TaskCapabilities,
+    TaskConfig,
     VerifyResult,
     answers_equal,
     extract_answer,
@@ -44,10 +46,13 @@ from tasks.base import (
     score,
     task_capabilities,
 )
-from tasks.text import TextTask
+from tasks.text import TextConfig, TextTask
 
-TASKS: dict[str, Callable[..., Task]] = {"arith": ArithTask, "artifacts": ArtifactTask, "clm": ClmTask,
-                                         "multipath": MultiPathTask, "text": TextTask}
+# The task registry: each task's config class (its keys, its name, the task it builds). `data=NAME` runs
+# the task whose config is named NAME; a new task registers its config here (docs/adding-a-task.md).
+TASK_CONFIGS: dict[str, type[TaskConfig]] = {
+    c.name: c for c in (ArithConfig, MultiPathConfig, ArtifactsConfig, ClmConfig, TextConfig)}
+TASKS: dict[str, Callable[..., Task]] = {name: c.task_class for name, c in TASK_CONFIGS.items()}
 # Named user datasets: a preset is TextTask keyword arguments the caller may override.
 PRESETS: dict[str, dict[str, Any]] = {
     "gsm8k": dict(path="openai/gsm8k", hub_config="main", solution_field="answer", answer_field=None,
@@ -66,9 +71,18 @@ def build_task(name: str, **kwargs: Any) -> Task:
     raise DataError(f"unknown task {name!r}; expected one of {sorted(TASKS) + sorted(PRESETS)} or an existing path")
 
 
+def task_config(name: str, **values: Any) -> TaskConfig:
+    """The registered config of task `name` with `values` set (`data=NAME` with `data.KEY=VALUE`s, in code).
+    DataError naming the task for an unknown name; TypeError naming the key for one the task lacks."""
+    if name not in TASK_CONFIGS:
+        raise DataError(f"unknown task {name!r}; expected one of {', '.join(sorted(TASK_CONFIGS))}")
+    return TASK_CONFIGS[name](**values)
+
+
 __all__ = [
-    "Action", "ArithTask", "ArtifactTask", "ClmTask", "ContextEnv", "ContextFile", "ContextFormat", "DataError",
-    "Episode", "EpisodeError", "Example", "HasArtifacts", "HasSolutionPaths", "MultiPathTask", "Segments", "PRESETS", "RendersOwnPrompts", "TASKS", "Task", "TaskCapabilities",
-    "TINY_FORMAT", "TextTask", "Turn", "VerifyResult", "answers_equal", "build_task", "extract_answer", "kind_of",
-    "mask_spans", "parse_action", "score", "scripted_output", "task_capabilities",
+    "Action", "ArithConfig", "ArithTask", "ArtifactTask", "ArtifactsConfig", "ClmConfig", "ClmTask", "ContextEnv", "ContextFile", "ContextFormat", "DataError",
+    "Episode", "EpisodeError", "Example", "HasArtifacts", "HasSolutionPaths", "MultiPathConfig", "MultiPathTask", "PromptTemplates",
+    "Segments", "PRESETS", "RendersOwnPrompts", "TASKS", "TASK_CONFIGS", "Task", "TaskCapabilities", "TaskConfig",
+    "TINY_FORMAT", "TextConfig", "TextTask", "Turn", "VerifyResult", "answers_equal", "build_task", "extract_answer", "kind_of",
+    "mask_spans", "parse_action", "score", "scripted_output", "task_capabilities", "task_config",
 ]

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from tasks.base import (
@@ -50,6 +50,8 @@ from tasks.base import (
     ANSWER_MARKER,
     DataError,
     Example,
+    PromptTemplates,
+    TaskConfig,
     VerifyResult,
     answers_equal,
     check_template,
@@ -350,3 +352,21 @@ class ArithTask:
         total, right = check_working(completion, expected)
         return VerifyResult(answers_equal(answer, example.answer), answer, total, right)
 
+
+
+@dataclass
+class ArithConfig(PromptTemplates, TaskConfig):
+    """data=arith (configs/data/arith.yaml): the embedded multi-step arithmetic problems."""
+
+    name: str = "arith"
+    n_train: int = 20000
+    n_test: int = 200
+    digits: int = 2  # largest operand size in digits
+    steps: int = 2  # operations (solution steps) per problem
+    ops: list[str] = field(default_factory=lambda: ["+", "-"])
+
+    task_class = ArithTask
+
+    def build(self, check_charset: bool = True) -> ArithTask:
+        return self.task_class(seed=self.seed, n_train=self.n_train, n_test=self.n_test, digits=self.digits,
+                               steps=self.steps, ops=tuple(self.ops), check_charset=check_charset, **self.templates())

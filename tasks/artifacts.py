@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from tasks.base import (
@@ -61,7 +62,9 @@ from tasks.base import (
     ANSWER_MARKER,
     DataError,
     Example,
+    PromptTemplates,
     Segments,
+    TaskConfig,
     VerifyResult,
     answers_equal,
     check_template,
@@ -372,3 +375,28 @@ class ArtifactTask:
         total, right = check_working(completion, expected, expected_sums, context_tables(example.artifacts))
         return VerifyResult(answers_equal(answer, example.answer), answer, total, right)
 
+
+
+@dataclass
+class ArtifactsConfig(PromptTemplates, TaskConfig):
+    """data=artifacts (configs/data/artifacts.yaml): lookups in named tables, each a separate prompt
+    artifact. `n_test` counts per kind, in each of the in-domain and held-out test splits."""
+
+    name: str = "artifacts"
+    n_train: int = 20000
+    n_test: int = 200
+    n_artifacts: int = 3  # tables in a select / combine context
+    artifact_rows: int = 2  # key=value rows per table
+    n_library: int = 8000  # tables of the training library (train and in-domain test draw from it)
+    n_library_ood: int = 500  # tables of the held-out library (the test_ood split only)
+    # the train mix ({kind: weight}); a kind of weight 0 is left out of train and test_examples()
+    kinds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 1.0))
+    artifact_prefix: str = ""  # shared text before the artifacts ("" = none)
+
+    task_class = ArtifactTask
+
+    def build(self, check_charset: bool = True) -> ArtifactTask:
+        return ArtifactTask(seed=self.seed, n_train=self.n_train, n_test=self.n_test, n_artifacts=self.n_artifacts,
+                            rows=self.artifact_rows, n_library=self.n_library, n_library_ood=self.n_library_ood,
+                            kinds=dict(self.kinds) or None, prefix=self.artifact_prefix,
+                            check_charset=check_charset, **self.templates())

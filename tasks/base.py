@@ -8,11 +8,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, ClassVar, Optional, Protocol, Sequence, runtime_checkable
 
 ANSWER_MARKER = "####"
 NUMERIC_TOLERANCE = 1e-6  # absolute: answers are mostly integers, a relative tolerance would equate 1e6 and 1e6+1
 SCORE_MODES = ("answer", "steps", "partial")
+LENGTH_POLICIES = ("error", "skip", "truncate_left")  # over a length limit (tasks/lengths.py)
 
 
 class DataError(ValueError):
@@ -86,6 +87,68 @@ def score(result: VerifyResult, mode: str = "steps") -> float:
     raise ValueError(f"unknown score mode {mode!r}; expected one of {SCORE_MODES}")
 
 
+@dataclass
+class TaskConfig:
+    """The keys every task has (`data.X` of a run; configs/data/NAME.yaml lists a task's keys with their
+    defaults). A task's own config subclasses this, adds its keys, names itself (`name`'s default) and
+    builds its task; `tasks.TASK_CONFIGS` registers it. Plain dataclasses: the trainer validates a run's
+    `data` section against the selected task's class, so a key another task reads is an unknown key here.
+
+    The prompt keys are applied by the trainer around any task: the tokenizer's chat template
+    (`chat_template`, tasks/chat.py) and the length limits (tasks/lengths.py)."""
+
+    name: str = ""
+    seed: int = 0  # the task's data seed (generated problems, a held-out split)
+    # auto | true | false: render every prompt (student, teacher, rollouts, eval) as the user turn of the
+    # tokenizer's chat template; auto = when the tokenizer has one (the embedded tiny model has none)
+    chat_template: str = "auto"
+    # length limits in tokens of the run's prompt ids, applied at data load (tasks/lengths.py): the student
+    # prompt, and prompt + reference solution (+ the teacher prompt for algorithms that read the reference);
+    # null = the model's positions. length_policy: error | skip | truncate_left (shorten the question's start)
+    max_prompt_tokens: Optional[int] = None
+    max_length: Optional[int] = None
+    length_policy: str = "error"
+
+    task_class: ClassVar[type] = object  # the Task class `build` makes (tasks.TASKS lists them by name)
+
+    def build(self, check_charset: bool = True) -> Any:
+        """The configured task. `check_charset`: refuse template characters outside the embedded tiny
+        tokenizer's charset (only where the run's model is the embedded tiny one)."""
+        raise NotImplementedError(f"{type(self).__name__} builds no task")
+
+    def validate(self) -> None:
+        """Value checks of the shared keys; a subclass extends it with its own. ValueError, one line
+        naming the key."""
+        if self.length_policy not in LENGTH_POLICIES:
+            raise ValueError(f"data.length_policy={self.length_policy} is not one of {', '.join(LENGTH_POLICIES)}")
+        for key in ("max_prompt_tokens", "max_length"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ValueError(f"data.{key}={value} must be > 0 (or null: the model's positions)")
+        if self.max_prompt_tokens and self.max_length and self.max_prompt_tokens >= self.max_length:
+            raise ValueError(f"data.max_prompt_tokens={self.max_prompt_tokens} must be < data.max_length="
+                             f"{self.max_length} (the prompt and its reference solution share max_length)")
+
+    def reference_problem(self) -> Optional[str]:
+        """Why this configuration gives no reference solutions, or None when its examples carry them
+        (checked before any work for algorithms that distil from references)."""
+        return None
+
+
+@dataclass
+class PromptTemplates:
+    """The prompt-template keys of a task that renders question prompts (not data=clm, whose context file
+    is the whole input). None = the task's own prompt."""
+
+    prompt_template: Optional[str] = None  # must contain {question}
+    teacher_template: Optional[str] = None  # must contain {question} and {reference}
+
+    def templates(self) -> dict[str, str]:
+        """The set templates as task keyword arguments."""
+        return {k: v for k, v in (("prompt_template", self.prompt_template),
+                                  ("teacher_template", self.teacher_template)) if v is not None}
+
+
 @runtime_checkable
 class Task(Protocol):
     """What the trainer needs from a task. Concrete tasks: `ArithTask`, `ArtifactTask`, `TextTask`."""
@@ -122,9 +185,12 @@ class HasSolutionPaths(Protocol):
 @runtime_checkable
 class RendersOwnPrompts(Protocol):
     """A task whose prompt is the whole model input (data=clm: the context file): no chat template is
-    put around it, it keeps within its own token budget, and a row grows up to that budget."""
+    put around it, it keeps within its own token budget, and a row grows up to that budget
+    (`row_budget(example)`, in tokens)."""
 
     renders_own_prompts: bool
+
+    def row_budget(self, example: Example) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -136,6 +202,7 @@ class TaskCapabilities:
     several_paths: bool = False
     segments: Optional[Callable[[Example], Segments]] = None  # HasArtifacts
     renders_own_prompts: bool = False  # RendersOwnPrompts
+    row_budget: Optional[Callable[[Example], int]] = None  # RendersOwnPrompts: tokens a row grows up to
 
 
 def task_capabilities(task: Any) -> TaskCapabilities:
@@ -149,7 +216,8 @@ def task_capabilities(task: Any) -> TaskCapabilities:
     return TaskCapabilities(solution_path=task.solution_path if paths else None,
                             several_paths=paths and task.several_paths,
                             segments=task.segments if isinstance(task, HasArtifacts) else None,
-                            renders_own_prompts=own and task.renders_own_prompts)
+                            renders_own_prompts=own and task.renders_own_prompts,
+                            row_budget=task.row_budget if own and task.renders_own_prompts else None)
 
 
 # ---------------------------------------------------------------------------------------------

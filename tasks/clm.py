@@ -60,14 +60,15 @@ import dataclasses
 import json
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from tasks.base import (
     check_charset as reject_outside_charset,
     DataError,
     Example,
+    TaskConfig,
     VerifyResult,
     answers_equal,
     split_lines,
@@ -480,6 +481,10 @@ class ClmTask:
                      for i, (prompt, output) in enumerate(calls, 1)]
         return rows
 
+    def row_budget(self, example: Example) -> int:
+        """The context budget `example`'s rows grow up to (an episode's own, else the task's)."""
+        return (example.budget if isinstance(example, Episode) else 0) or self.budget
+
     def make_env(self, episode: Episode) -> ContextEnv:
         """A fresh environment for one episode with this task's format, budget and call cap."""
         return ContextEnv(episode, self.fmt, len, episode.budget or self.budget, self.max_calls)
@@ -506,3 +511,42 @@ class ClmTask:
 
 def _key(ep: Episode) -> tuple:
     return ep.prefix, ep.observations, ep.query
+
+
+@dataclass
+class ClmConfig(TaskConfig):
+    """data=clm (configs/data/clm.yaml): context-file episodes, synthetic or from a task file. `kinds` weighs
+    the episode kinds; n_train / n_test count episodes. No prompt templates: the context file is the
+    whole input."""
+
+    name: str = "clm"
+    n_train: int = 2000
+    n_test: int = 100
+    kinds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 1.0))
+    budget: int = DEFAULT_BUDGET  # context token budget of a synthetic episode
+    compact_at: Optional[float] = None  # the scripted policy rewrites above this share of the budget; None = the task's
+    # [low, high]: each synthetic episode draws its own budget in it, stated in its task text ([] = `budget`)
+    budget_range: list[int] = field(default_factory=list)
+    # [low, high]: each episode's scripted policy folds past its own share drawn in it, capped where the
+    # script would overflow ([] = compact_at for all)
+    fold_range: list[float] = field(default_factory=list)
+    view: str = "episodes"  # episodes (RL) | calls (the scripted policy's calls as SFT rows: the warm-up)
+    path: Optional[str] = None  # a JSONL task file, one episode per row
+    test_path: Optional[str] = None  # its held-out episodes (None: the last 10% of path's rows)
+
+    task_class = ClmTask
+
+    def validate(self) -> None:
+        super().validate()
+        if self.view not in VIEWS:
+            raise ValueError(f"data.view={self.view} is not one of {', '.join(VIEWS)}")
+        if self.chat_template == "true":
+            raise ValueError("data.chat_template=true: data=clm writes its own prompts (the context file is the "
+                             "whole input); use auto or false")
+
+    def build(self, check_charset: bool = True) -> ClmTask:
+        extra = {} if self.compact_at is None else {"compact_at": self.compact_at}
+        return ClmTask(seed=self.seed, n_train=self.n_train, n_test=self.n_test, kinds=dict(self.kinds) or None,
+                       budget=self.budget, view=self.view, path=self.path, test_path=self.test_path,
+                       budget_range=tuple(self.budget_range), fold_range=tuple(self.fold_range),
+                       check_charset=check_charset, **extra)

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from models.prompts import continuation_lengths, prompt_lengths
-from tasks.base import DataError, Example, task_capabilities
+from tasks.base import LENGTH_POLICIES, DataError, Example, task_capabilities
 
-POLICIES = ("error", "skip", "truncate_left")
 SHOWN = 3  # examples named in a warning
 
 
@@ -41,8 +40,8 @@ class LengthLimits:
 
     def resolved(self, model_positions: Optional[int]) -> "LengthLimits":
         """The limits with the model's positions filled in where unset (and never above them)."""
-        if self.policy not in POLICIES:
-            raise DataError(f"data.length_policy={self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.policy not in LENGTH_POLICIES:
+            raise DataError(f"data.length_policy={self.policy!r} is not one of {', '.join(LENGTH_POLICIES)}")
         prompt, length = self.max_prompt_tokens, self.max_length
         if model_positions:
             prompt = min(prompt or model_positions - 1, model_positions - 1)

@@ -34,12 +34,14 @@ from __future__ import annotations
 import itertools
 import random
 from collections import Counter
+from dataclasses import dataclass
 from typing import Sequence
 
 from tasks.arith import (
     ITEMS,
     NAMES,
     PHRASES,
+    ArithConfig,
     ArithTask,
     Step,
     apply_op,
@@ -149,3 +151,13 @@ class MultiPathTask(ArithTask):
         chain_total, chain_right = check_chain_any_order(written, start, ops)
         answer = extract_answer(completion)
         return VerifyResult(answers_equal(answer, example.answer), answer, total + chain_total, right + chain_right)
+
+
+@dataclass
+class MultiPathConfig(ArithConfig):
+    """data=multipath (configs/data/multipath.yaml): arith's keys, problems with several valid orders.
+    `ops` is a subset of + and - (operations that commute)."""
+
+    name: str = "multipath"
+
+    task_class = MultiPathTask

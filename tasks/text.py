@@ -39,14 +39,17 @@ import csv
 import json
 import random
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from tasks.base import (
     ANSWER_MARKER,
     DataError,
     Example,
+    PromptTemplates,
     Segments,
+    TaskConfig,
     VerifyResult,
     answers_equal,
     check_template,
@@ -404,3 +407,43 @@ def _hold_out(examples: list[Example], fraction: float, seed: int, path: str) ->
     train = [ex for i, ex in enumerate(examples) if i not in held]
     test = [ex for i, ex in enumerate(examples) if i in held]
     return train, test
+
+
+@dataclass
+class TextConfig(PromptTemplates, TaskConfig):
+    """data=text (configs/data/text.yaml): user data with configurable field names. `seed` seeds the
+    test_fraction split."""
+
+    name: str = "text"
+    path: Optional[str] = None  # required: FILE | DIR | HUB_NAME
+    test_path: Optional[str] = None  # held-out file; None = test_fraction of path, else its test_split
+    train_split: str = "train"
+    test_split: str = "test"
+    test_fraction: float = 0.0  # > 0 (and no test_path): hold out this share of the training rows
+    question_field: str = "question"
+    solution_field: Optional[str] = "solution"  # worked solutions; None when the data has none
+    answer_field: str = "answer"
+    on_bad_row: str = "error"  # error | skip
+    max_examples: Optional[int] = None
+    artifacts_field: Optional[str] = "artifacts"  # a row's list of artifact strings, placed before the question
+
+    task_class = TextTask
+
+    def validate(self) -> None:
+        super().validate()
+        if self.on_bad_row not in ON_BAD_ROW:
+            raise ValueError(f"data.on_bad_row={self.on_bad_row} is not one of {', '.join(ON_BAD_ROW)}")
+        if not self.path:
+            raise ValueError("data=text needs data.path=FILE|DIR|HUB_NAME")
+
+    def reference_problem(self) -> Optional[str]:
+        if not self.solution_field:
+            return "data.solution_field is empty: set it to the field holding worked solutions"
+        return None
+
+    def build(self, check_charset: bool = True) -> TextTask:
+        return TextTask(path=self.path, test_path=self.test_path, train_split=self.train_split,
+                        test_split=self.test_split, test_fraction=self.test_fraction, seed=self.seed,
+                        question_field=self.question_field, solution_field=self.solution_field,
+                        answer_field=self.answer_field, on_bad_row=self.on_bad_row, max_examples=self.max_examples,
+                        artifacts_field=self.artifacts_field, **self.templates())

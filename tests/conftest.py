@@ -15,17 +15,38 @@ sys.path.insert(0, str(ROOT))
 # oversubscribe badly otherwise (measured: 2 threads under contention ran a step 8x slower).
 torch.set_num_threads(1)
 
-TINY = [
-    "model=tiny_init", "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4",
-    "model.intermediate_size=128", "data.digits=2", "data.steps=1", "data.n_train=512", "data.n_test=32",
+TINY_MODEL = ["model=tiny_init", "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4",
+              "model.intermediate_size=128"]
+# Each task's tiny sizes (a run validates only its task's keys); data=text reads a test's own file.
+TINY_SIZES = ["data.n_train=512", "data.n_test=32"]
+TINY_DATA = {"arith": ["data.digits=2", "data.steps=1", *TINY_SIZES], "artifacts": TINY_SIZES, "clm": TINY_SIZES,
+             "text": []}
+TINY_DATA["multipath"] = TINY_DATA["arith"]
+TINY_TRAINER = [
     "trainer.batch_size=8", "trainer.micro_batch_size=4", "trainer.eval_every=1000", "trainer.eval_examples=8",
     "trainer.eval_max_new_tokens=40", "trainer.save_every=1000", "trainer.warmup_steps=1", "trainer.lr=3e-3",
     "logging.wandb=false", "logging.progress=false",
 ]
+TINY = [*TINY_MODEL, *TINY_DATA["arith"], *TINY_TRAINER]
+
+
+def run_task(algo: str, overrides) -> str:
+    """The task a run trains on: its `data=NAME` override, else the one configs/algo/ALGO.yaml selects
+    (`override /data: NAME` in its defaults list), else arith (configs/train.yaml)."""
+    from omegaconf import OmegaConf
+
+    for arg in reversed(list(overrides)):
+        if arg.startswith("data="):
+            return arg.split("=", 1)[1]
+    for entry in OmegaConf.to_container(OmegaConf.load(ROOT / "configs" / "algo" / f"{algo}.yaml")).get("defaults", []):
+        if isinstance(entry, dict) and "override /data" in entry:
+            return entry["override /data"]
+    return "arith"
 
 
 def tiny_overrides(out_dir, *extra: str, algo: str = "sft") -> list[str]:
-    return [f"+algo={algo}", *TINY, f"output_dir={out_dir}", *extra]
+    return [f"+algo={algo}", *TINY_MODEL, *TINY_DATA.get(run_task(algo, extra), []), *TINY_TRAINER,
+            f"output_dir={out_dir}", *extra]
 
 
 def tiny_config(out_dir, *extra: str, algo: str = "sft"):

@@ -13,7 +13,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.conftest import ROOT
-from trainer.config import BackendConfig, DataConfig, LoggingConfig, ModelConfig, TrainConfig, TrainerConfig
+from tasks import TASK_CONFIGS
+from trainer.config import BackendConfig, LoggingConfig, ModelConfig, TrainConfig, TrainerConfig
 
 CONFIGS = ROOT / "configs"
 
@@ -50,14 +51,12 @@ ALGO_OVERRIDES = {
     "skipper": {"trainer.lr": 3e-3},
     # attuner: q_proj LoRA only, measured on the tiny model (docs/attuner.md); its own task (configs/algo/
     # attuner.yaml selects data=artifacts), so the warm start is the artifacts recipe (plain SFT, 3000 steps).
-    "attuner": {"data.name": "artifacts", "data.kinds.single": 1.0, "data.kinds.select": 1.0, "data.kinds.combine": 1.0,
-                "model.warm_start_task": "artifacts", "model.warm_start_steps": 3000, "model.warm_start_batch_size": 32,
+    "attuner": {"model.warm_start_task": "artifacts", "model.warm_start_steps": 3000, "model.warm_start_batch_size": 32,
                 "model.warm_start_reference_fraction": 0.0, "trainer.lr": 5e-3},
     # clm: its own task (configs/algo/clm.yaml selects data=clm), so the warm start is the clm recipe
     # (SFT on the scripted calls); lr 1e-4 (0.17 -> 0.15 held-out in 40 steps, 3e-5 0.13, 5e-4 collapsed:
     # docs/clm.md), 4 tasks x 8 episodes per step, per-call completions that hold the longest scripted output.
-    "clm": {"data.name": "clm", "data.n_train": 2000, "data.n_test": 100, "data.kinds.kv": 1.0, "data.kinds.chain": 1.0,
-            "model.warm_start_task": "clm", "model.warm_start_steps": 2000, "model.warm_start_batch_size": 32,
+    "clm": {"model.warm_start_task": "clm", "model.warm_start_steps": 2000, "model.warm_start_batch_size": 32,
             "model.warm_start_reference_fraction": 0.0, "trainer.lr": 1e-4, "trainer.batch_size": 4, "trainer.micro_batch_size": 32,
             "trainer.max_new_tokens": 72, "trainer.eval_max_new_tokens": 72, "trainer.eval_examples": 100},
 }
@@ -66,19 +65,14 @@ GROUP_OVERRIDES = {
     ("model", "tiny"): {"warm_start_steps": None},  # null = the warm-start task's recipe (see COMMON_OVERRIDES)
     ("model", "tiny_init"): {"name": "tiny_init"},
     ("model", "hf"): {"name": "hf"},
-    ("data", "text"): {"name": "text"},
-    ("data", "multipath"): {"name": "multipath"},
-    ("data", "artifacts"): {"name": "artifacts", "kinds": {"single": 1.0, "select": 1.0, "combine": 1.0}},
-    ("data", "clm"): {"name": "clm", "n_train": 2000, "n_test": 100, "kinds": {"kv": 1.0, "chain": 1.0}},
     ("backend", "single"): {"name": "single"},
     ("backend", "ddp"): {"name": "ddp"},
     ("backend", "fsdp"): {"name": "fsdp"},
     ("backend", "deepspeed"): {"name": "deepspeed", "zero_stage": 2},  # ZeRO-2 unless backend.zero_stage says
 }
-SCHEMAS = {"model": ModelConfig, "data": DataConfig, "backend": BackendConfig, "logging": LoggingConfig,
-           "trainer": TrainerConfig}
+SCHEMAS = {"model": ModelConfig, "backend": BackendConfig, "logging": LoggingConfig, "trainer": TrainerConfig}
 # Files that must list every field of their group's dataclass (the others set only what differs;
-# data/ is covered by its task files together, see test_data_files_cover_every_field).
+# each data/NAME.yaml lists every field of its task's own config, see test_data_files_list_their_task_config).
 FULL_LISTINGS = [("trainer", "default"), ("logging", "default"), ("backend", "auto"), ("model", "tiny")]
 
 
@@ -144,7 +138,8 @@ def test_composed_config_equals_the_defaults_except_deliberate_overrides(tmp_pat
 
     cfg = load_config([f"+algo={name}"], config_schemas())
     composed = flat(to_dict(cfg))
-    expected = flat(to_dict(TrainConfig(algo=config_schemas()[name]())))
+    task = TASK_CONFIGS[cfg.data.name]  # the algorithm's task (configs/algo/NAME.yaml may select one)
+    expected = flat(to_dict(TrainConfig(data=task(), algo=config_schemas()[name]())))
     # configs/train.yaml: one output directory per algorithm (the dataclass default is outputs/run).
     expected["output_dir"] = f"outputs/{name}"
     expected.update(COMMON_OVERRIDES)
@@ -152,7 +147,7 @@ def test_composed_config_equals_the_defaults_except_deliberate_overrides(tmp_pat
     assert composed.keys() == expected.keys()
     diff = {k: (composed[k], expected[k]) for k in expected if composed[k] != expected[k]}
     assert not diff, f"+algo={name}: (composed, expected) {diff}"
-    defaults = flat(to_dict(TrainConfig(algo=config_schemas()[name]())))
+    defaults = flat(to_dict(TrainConfig(data=task(), algo=config_schemas()[name]())))
     for key, value in {**COMMON_OVERRIDES, **ALGO_OVERRIDES[name]}.items():
         assert defaults.get(key) != value, f"{key}={value} is the default now: drop it from the allow-list"
 
@@ -182,9 +177,17 @@ def test_group_files_set_known_keys_to_defaults_or_listed_overrides(group, optio
     assert differs == GROUP_OVERRIDES.get((group, option), {})
 
 
-def test_data_files_cover_every_field():
-    listed = set().union(*(yaml_keys(p) for p in (CONFIGS / "data").glob("*.yaml")))
-    assert listed == set(field_defaults(DataConfig))
+def test_data_files_are_the_registered_tasks():
+    assert sorted(p.stem for p in (CONFIGS / "data").glob("*.yaml")) == sorted(TASK_CONFIGS)
+
+
+@pytest.mark.parametrize("task", sorted(TASK_CONFIGS))
+def test_data_files_list_their_task_config(task):
+    """configs/data/NAME.yaml lists every key of the task's own config with its default, and no other key."""
+    listed, defaults = yaml_keys(CONFIGS / "data" / f"{task}.yaml"), field_defaults(TASK_CONFIGS[task])
+    assert set(listed) == set(defaults), (f"configs/data/{task}.yaml: missing {sorted(set(defaults) - set(listed))}, "
+                                          f"unknown {sorted(set(listed) - set(defaults))}")
+    assert listed == defaults
 
 
 RECIPE_FILES = sorted((CONFIGS / "recipe").glob("*.yaml"))

@@ -23,7 +23,7 @@ REAL = ["model.path=org/model", "data.path=train.jsonl"]
 # The smoke run: the tiny model at random init with conftest's small sizes, but 4 layers (SEED's drafter is
 # the top 2 of them and needs more below), and the smallest step: 2 prompts, 8 new tokens, 2 eval problems.
 SMOKE = [*(o for o in TINY if o.startswith("model.") and not o.startswith("model.num_layers")),
-         "model=tiny_init", "model.num_layers=4", "data.n_train=64", "data.n_test=8",
+         "model=tiny_init", "model.num_layers=4",
          "trainer.max_steps=1", "trainer.batch_size=2", "trainer.micro_batch_size=2", "trainer.max_new_tokens=8",
          "trainer.eval_examples=2", "trainer.eval_max_new_tokens=8", "trainer.eval_every=1000",
          "trainer.save_every=1000", "trainer.warmup_steps=0", "trainer.resume=never",
@@ -178,7 +178,8 @@ def test_recipe_trains_one_step_on_the_tiny_model(tmp_path, name):
 
     train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
     user_file = _load(f"+recipe={name}", *REAL).data.name == "text"  # else its own task (clm: synthetic episodes)
-    files = [f"data.path={train}", f"data.test_path={test}"] if user_file else []
+    # a user file's rows are written below; clm's synthetic episodes are sized here
+    files = [f"data.path={train}", f"data.test_path={test}"] if user_file else ["data.n_train=64", "data.n_test=8"]
     cfg = _load(f"+recipe={name}", *SMOKE, f"output_dir={tmp_path / 'run'}", *files)
     if user_file:
         _write_rows(cfg, train, 16)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from models.model_dir import tokenizer_problem  # the standard library only, like this module
+from tasks import TASK_CONFIGS, ArithConfig, ClmConfig
 from trainer.activations.options import ActivationConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -54,59 +55,6 @@ class ModelConfig:
     # A build below this held-out accuracy is not published: it catches a build that learned nothing (an
     # interrupted one scored 0.0) while allowing for seeds (measured: 0.36 at model.seed=0, 0.10 at 1).
     warm_start_min_accuracy: float = 0.05
-
-
-@dataclass
-class DataConfig:
-    name: str = "arith"  # arith | multipath | artifacts | clm | text
-    seed: int = 0
-    # arith and multipath knobs (n_train, n_test, seed and the templates are read by artifacts too)
-    n_train: int = 20000
-    n_test: int = 200  # artifacts: per kind, in each of the in-domain and held-out test splits
-    digits: int = 2
-    steps: int = 2
-    ops: list[str] = field(default_factory=lambda: ["+", "-"])
-    # artifacts knobs (name=artifacts; tasks/artifacts.py)
-    n_artifacts: int = 3  # tables in a select / combine context
-    artifact_rows: int = 2  # key=value rows per table
-    n_library: int = 8000  # tables of the training library (train and in-domain test draw from it)
-    n_library_ood: int = 500  # tables of the held-out library (the test_ood split only)
-    # the train mix of the task's kinds ({kind: weight}); {} = the task's own default mix
-    kinds: dict[str, float] = field(default_factory=dict)
-    artifact_prefix: str = ""  # shared text before the artifacts ("" = none)
-    # clm knobs (name=clm; tasks/clm.py; `kinds` weighs its episode kinds, n_train / n_test count episodes)
-    view: str = "episodes"  # episodes (RL) | calls (the scripted policy's calls as SFT rows: the warm-up)
-    budget: int = 200  # context token budget of a synthetic episode
-    compact_at: Optional[float] = None  # the scripted policy rewrites above this share of the budget; None = the task's
-    # [low, high]: each synthetic episode draws its own budget in it, stated in its task text ([] = `budget`)
-    budget_range: list[int] = field(default_factory=list)
-    # [low, high]: each episode's scripted policy folds past its own share drawn in it, capped where the
-    # script would overflow ([] = compact_at for all)
-    fold_range: list[float] = field(default_factory=list)
-    # user data (name=text)
-    path: Optional[str] = None
-    test_path: Optional[str] = None
-    train_split: str = "train"
-    test_split: str = "test"
-    test_fraction: float = 0.0
-    question_field: str = "question"
-    solution_field: Optional[str] = "solution"
-    answer_field: str = "answer"
-    on_bad_row: str = "error"  # error | skip
-    max_examples: Optional[int] = None
-    artifacts_field: Optional[str] = "artifacts"  # a row's list of artifact strings, placed before the question
-    # prompts (None => the task's default)
-    prompt_template: Optional[str] = None
-    teacher_template: Optional[str] = None
-    # auto | true | false: render every prompt (student, teacher, rollouts, eval) as the user turn of the
-    # tokenizer's chat template; auto = when the tokenizer has one (the embedded tiny model has none)
-    chat_template: str = "auto"
-    # length limits in tokens of the run's prompt ids, applied at data load (tasks/lengths.py): the student
-    # prompt, and prompt + reference solution (+ the teacher prompt for algorithms that read the reference);
-    # null = the model's positions. length_policy: error | skip | truncate_left (shorten the question's start)
-    max_prompt_tokens: Optional[int] = None
-    max_length: Optional[int] = None
-    length_policy: str = "error"
 
 
 @dataclass
@@ -178,7 +126,8 @@ class TrainConfig:
     output_dir: str = "outputs/run"
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    # the selected task's own config dataclass (a tasks.TaskConfig: tasks.TASK_CONFIGS[data.name]), like `algo`
+    data: Any = field(default_factory=ArithConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -210,8 +159,14 @@ def compose(overrides: list[str]) -> Any:
     from hydra.core.config_store import ConfigStore
 
     # The typed schema is the first entry of train.yaml's defaults list: every key exists with its
-    # type, so a typo fails at composition and a wrong type fails at conversion.
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    # type, so a typo fails at composition and a wrong type fails at conversion. `data` and `algo` are
+    # typed by the selected task's and algorithm's own dataclass after composition (load_config); in
+    # composition their YAML files (each listing every key of its dataclass) hold their keys.
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig(data=None, algo=None))
+    # A registered task without a configs/data/NAME.yaml (which documents its keys) composes from its dataclass.
+    for task, schema in TASK_CONFIGS.items():
+        if not (CONFIG_DIR / "data" / f"{task}.yaml").exists():
+            ConfigStore.instance().store(group="data", name=task, node=schema)
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return hydra_compose(config_name="train", overrides=list(overrides))
@@ -280,22 +235,23 @@ def load_config(overrides: list[str], algo_schemas: dict[str, type], training: b
         name = algo_args[-1].split("=", 1)[1]
     if name not in algo_schemas or name not in _available_algos():
         raise ConfigError(f"unknown algorithm '{name}' (available: {', '.join(sorted(algo_schemas))})")
+    _refuse_data_name(overrides)
     try:
         raw = compose(overrides)
     except Exception as err:  # Hydra: unknown group option, bad override syntax, missing key
-        raise ConfigError(_one_line(err)) from None
+        raise ConfigError(_compose_error(err, overrides, algo_schemas)) from None
     try:
         raw = OmegaConf.to_container(raw, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as err:
         raise ConfigError(_describe(err)) from None
     algo_raw = raw.pop("algo", {}) or {}
-    try:
-        base = OmegaConf.merge(OmegaConf.structured(TrainConfig(algo=None)), _without_algo(raw))
-        algo = OmegaConf.merge(OmegaConf.structured(algo_schemas[name]), algo_raw)
-        cfg: TrainConfig = OmegaConf.to_object(base)
-        cfg.algo = OmegaConf.to_object(algo)
-    except OmegaConfBaseException as err:
-        raise ConfigError(_describe(err)) from None
+    data_raw = raw.pop("data", {}) or {}
+    task = data_raw.get("name")
+    if task not in TASK_CONFIGS:
+        raise ConfigError(f"data.name={task} is not one of {', '.join(TASK_CONFIGS)}")
+    cfg: TrainConfig = _typed(TrainConfig(data=None, algo=None), raw)
+    cfg.data = _typed(TASK_CONFIGS[task](), data_raw, "data", f"data={task}")
+    cfg.algo = _typed(algo_schemas[name](), algo_raw, "algo", f"algo {name}")
     _resolve_warm_start(cfg)
     _resolve_lr(cfg)
     validate(cfg, training)
@@ -342,12 +298,63 @@ def _resolve_warm_start(cfg: TrainConfig) -> None:
         raise ConfigError(str(err)) from None
 
 
-def _without_algo(raw: dict) -> dict:
-    return {k: v for k, v in raw.items() if k != "algo"}
+def _typed(schema: Any, raw: dict, section: str = "", owner: str = "") -> Any:
+    """`raw` merged onto the dataclass instance `schema` (the config's `section`, "" = the top level) and
+    converted back to a dataclass. A bad key or value is one line naming `section.KEY`, and an unknown key
+    also whose keys these are (`owner`: e.g. "data=arith")."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), raw))
+    except ConfigKeyError as err:
+        if section and getattr(err, "key", None) is not None:
+            raise ConfigError(_unknown_key(section, owner, str(err.key), type(schema))) from None
+        raise ConfigError(_describe(err, section)) from None
+    except OmegaConfBaseException as err:
+        raise ConfigError(_describe(err, section)) from None
 
 
-def _describe(err: Exception) -> str:
+def _unknown_key(section: str, owner: str, key: str, schema: type) -> str:
+    keys = ", ".join(f.name for f in dataclasses.fields(schema))
+    return f"unknown key {section}.{key}: {owner} has no key {key!r} (its keys: {keys})"
+
+
+def _refuse_data_name(overrides: list[str]) -> None:
+    """The task is a config group (`data=NAME` selects its file and its keys): `data.name=NAME` would rename
+    one task's keys as another's."""
+    for arg in overrides:
+        if _override_key(arg) == "data.name":
+            task = arg.partition("=")[2]
+            raise ConfigError(f"{arg}: select the task with data={task} (data.name is the selected task's own)")
+
+
+def _compose_error(err: BaseException, overrides: list[str], algo_schemas: dict[str, type]) -> str:
+    """Hydra's composition error as one line. An override of a key the selected task or algorithm does not
+    have names the key and the keys it does have (the selection is read by composing without it)."""
+    import re
+
+    line = _one_line(err)
+    match = re.search(r"Could not override '((data|algo)\.([^'.]+))'", str(err))
+    if match is None:
+        return line
+    full, section, key = match.groups()
+    try:
+        rest = compose([o for o in overrides if _override_key(o) != full])
+    except Exception:
+        return line
+    selected = rest[section].get("name") if rest.get(section) is not None else None
+    if section == "data" and selected in TASK_CONFIGS:
+        return _unknown_key("data", f"data={selected}", key, TASK_CONFIGS[selected])
+    if section == "algo" and selected in algo_schemas:
+        return _unknown_key("algo", f"algo {selected}", key, algo_schemas[selected])
+    return line
+
+
+def _describe(err: Exception, section: str = "") -> str:
     key = getattr(err, "full_key", None)
+    if key and section:
+        key = f"{section}.{key}"
     msg = _one_line(err)
     if key and key not in msg:
         msg = f"{key}: {msg}"
@@ -356,12 +363,7 @@ def _describe(err: Exception) -> str:
 
 CHOICES = {
     "backend.name": ("auto", "single", "ddp", "fsdp", "deepspeed"),
-    "data.name": ("arith", "multipath", "artifacts", "clm", "text"),
-    "data.view": ("episodes", "calls"),
-    "data.on_bad_row": ("error", "skip"),
-    "data.length_policy": ("error", "skip", "truncate_left"),
     "model.dtype": ("float32", "bfloat16", "float16"),
-    "model.warm_start_task": ("auto", "arith", "multipath", "artifacts", "clm"),
     "trainer.memory_check": ("error", "auto", "off"),  # trainer/memory.py::MODES
 }
 
@@ -411,26 +413,18 @@ def validate(cfg: TrainConfig, training: bool = True) -> None:
     if training:
         _validate_low_bit_base(cfg, traits)
     _validate_chat_template(cfg)
-    for key in ("max_prompt_tokens", "max_length"):
-        value = getattr(cfg.data, key)
-        if value is not None and value <= 0:
-            raise ConfigError(f"data.{key}={value} must be > 0 (or null: the model's positions)")
-    if cfg.data.max_prompt_tokens and cfg.data.max_length and cfg.data.max_prompt_tokens >= cfg.data.max_length:
-        raise ConfigError(f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} must be < data.max_length="
-                          f"{cfg.data.max_length} (the prompt and its reference solution share max_length)")
     try:
+        cfg.data.validate()  # every task config checks its own values
         cfg.algo.validate()  # every algorithm config checks its own values
         if isinstance(cfg.algo, ChecksRun):  # ... and some against the budget and the model's layout
             cfg.algo.check_run(t.max_steps, model_skeleton(cfg.model))
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if traits.needs_reference and cfg.data.name == "text" and not cfg.data.solution_field:
-        raise ConfigError(f"algo {cfg.algo.name} distils from reference solutions, but data.solution_field is "
-                          "empty: set it to the field holding worked solutions")
+    problem = cfg.data.reference_problem() if traits.needs_reference else None
+    if problem is not None:
+        raise ConfigError(f"algo {cfg.algo.name} distils from reference solutions, but {problem}")
     if cfg.model.name == "hf" and cfg.model.path is None:
         raise ConfigError("model=hf needs model.path=DIR (a local model directory, or a hub id when online)")
-    if cfg.data.name == "text" and not cfg.data.path:
-        raise ConfigError("data=text needs data.path=FILE|DIR|HUB_NAME")
 
 
 def model_skeleton(m: ModelConfig):
@@ -499,11 +493,8 @@ def _validate_chat_template(cfg: TrainConfig) -> None:
         cfg.data.chat_template = chat_mode(cfg.data.chat_template)
     except ValueError as err:
         raise ConfigError(f"data.{err}") from None
-    if cfg.data.chat_template != "true":
+    if cfg.data.chat_template != "true" or isinstance(cfg.data, ClmConfig):  # clm refuses it itself
         return
-    if cfg.data.name == "clm":
-        raise ConfigError("data.chat_template=true: data=clm writes its own prompts (the context file is the whole "
-                          "input); use auto or false")
     if cfg.model.path is None:
         raise ConfigError("data.chat_template=true: the embedded tiny model's tokenizer has no chat template "
                           "(use a model=hf model.path=DIR whose tokenizer has one)")

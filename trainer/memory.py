@@ -64,7 +64,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -72,6 +72,9 @@ from torch import nn
 from trainer.activations.manager import _storage_ptr as _ptr, _tensors_in as _tensors
 from trainer.activations.planner import FULL, RECOMPUTE, Profile, UnitProfile, _peaks
 from tasks import task_capabilities
+
+if TYPE_CHECKING:  # the algorithms package is imported where a shape is made
+    from algorithms.base import RowShape
 
 GIB = 1024 ** 3
 PROFILE_LENGTHS = (16, 32, 64)  # three lengths: the constant, per-token and per-token^2 terms are fitted exactly
@@ -144,12 +147,12 @@ def _bounds(cfg, shape, task, examples) -> list[int]:
     """Cheap upper bounds of each example's longest row (a token covers at least one byte; +2 slack for
     a BOS and a word-boundary token, as tasks/lengths.py bounds lengths without tokenizing)."""
     size = lambda text: len(text.encode("utf-8")) + 2  # noqa: E731
-    own = task_capabilities(task).renders_own_prompts
+    row_budget = task_capabilities(task).row_budget
     out = []
     for ex in examples:
         prompt = max(size(p) for p in _row_texts(shape, task, ex))
         solution = size(ex.solution) if ex.solution is not None else 0
-        budget = (getattr(ex, "budget", 0) or cfg.data.budget) if own else 0
+        budget = row_budget(ex) if row_budget is not None else 0
         out.append(prompt + budget + _completions(shape, cfg, solution)[0])
     return out
 
@@ -167,8 +170,8 @@ def _lengths(cfg, shape, task, tokenizer, examples) -> list[tuple[int, str]]:
         i += len(row)
     solutions = continuation_lengths(tokenizer, [ex.solution or "" for ex in examples])
     # data=clm: a call's context grows up to the episode's budget
-    own = task_capabilities(task).renders_own_prompts
-    budget = [(getattr(ex, "budget", 0) or cfg.data.budget) if own else 0 for ex in examples]
+    row_budget = task_capabilities(task).row_budget
+    budget = [row_budget(ex) if row_budget is not None else 0 for ex in examples]
     out = []
     for p, s, b in zip(prompts, solutions, budget):
         extra, kind = _completions(shape, cfg, s)

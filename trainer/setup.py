@@ -22,13 +22,12 @@ from algorithms import build_algorithm
 from algorithms.base import Algorithm, Capabilities, capabilities
 from models.loading import build_tiny, load_pretrained
 from models.quant_export import is_compressed
-from tasks import build_task
-from tasks import DataError, task_capabilities
+from tasks import DataError, TaskConfig, task_capabilities
 from tasks.chat import with_chat
 from tasks.lengths import LengthLimits, fit_lengths
 from trainer import checkpoint, default_model
 from trainer.backends import build_backend
-from trainer.config import DataConfig, ModelConfig, TrainConfig, to_dict
+from trainer.config import ModelConfig, TrainConfig, to_dict
 from trainer.distributed import World
 from trainer.loop import Session, resume
 from trainer.precision import Precision, masters
@@ -45,35 +44,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_task_from(data: DataConfig, model: ModelConfig | None = None):
-    """The configured task. The embedded tasks reject template characters outside the tiny tokenizer's
-    charset (they would become <unk>); that check applies only to the embedded tiny model (`model`
-    None or without a path), not to a pretrained model's tokenizer."""
-    tiny = model is None or model.path is None
-    templates = {k: v for k, v in (("prompt_template", data.prompt_template),
-                                   ("teacher_template", data.teacher_template)) if v is not None}
-    if data.name in ("arith", "multipath"):
-        return build_task(data.name, seed=data.seed, n_train=data.n_train, n_test=data.n_test, digits=data.digits,
-                          steps=data.steps, ops=tuple(data.ops), check_charset=tiny, **templates)
-    if data.name == "artifacts":
-        return build_task("artifacts", seed=data.seed, n_train=data.n_train, n_test=data.n_test,
-                          n_artifacts=data.n_artifacts, rows=data.artifact_rows, n_library=data.n_library,
-                          n_library_ood=data.n_library_ood, kinds=dict(data.kinds) or None, prefix=data.artifact_prefix,
-                          check_charset=tiny, **templates)
-    if data.name == "clm":
-        extra = {} if data.compact_at is None else {"compact_at": data.compact_at}
-        return build_task("clm", seed=data.seed, n_train=data.n_train, n_test=data.n_test, kinds=dict(data.kinds) or None,
-                          budget=data.budget, view=data.view, path=data.path, test_path=data.test_path,
-                          budget_range=tuple(data.budget_range), fold_range=tuple(data.fold_range),
-                          check_charset=tiny, **extra)
-    return build_task("text", path=data.path, test_path=data.test_path, train_split=data.train_split,
-                      test_split=data.test_split, test_fraction=data.test_fraction, seed=data.seed,
-                      question_field=data.question_field, solution_field=data.solution_field,
-                      answer_field=data.answer_field, on_bad_row=data.on_bad_row,
-                      max_examples=data.max_examples, artifacts_field=data.artifacts_field, **templates)
+def build_task_from(data: TaskConfig, model: ModelConfig | None = None):
+    """The configured task (`data`: the run's task config, tasks.TASK_CONFIGS). The embedded tasks reject
+    template characters outside the tiny tokenizer's charset (they would become <unk>); that check applies
+    only to the embedded tiny model (`model` None or without a path), not to a pretrained model's tokenizer."""
+    return data.build(check_charset=model is None or model.path is None)
 
 
-def prompts_for(task, tokenizer, data: DataConfig, world: World | None = None, positions: int | None = None,
+def prompts_for(task, tokenizer, data: TaskConfig, world: World | None = None, positions: int | None = None,
                 with_teacher: bool = False):
     """`task` as the run's model reads it: prompts through the tokenizer's chat template when
     data.chat_template says so (auto: when the tokenizer has one), and examples fitted to the length

@@ -127,7 +127,8 @@ def build(m, path: str) -> None:
     only when it ran to completion and reached its accuracy floor. Raises WarmStartError otherwise."""
     from algorithms import config_schemas
     from models.loading import build_tiny
-    from trainer.config import BackendConfig, DataConfig, LoggingConfig, TrainConfig, TrainerConfig
+    from tasks import task_config
+    from trainer.config import BackendConfig, LoggingConfig, TrainConfig, TrainerConfig
     from trainer.loop import fit
     from trainer.setup import build_session, build_task_from, export_final
 
@@ -139,7 +140,7 @@ def build(m, path: str) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     cfg = TrainConfig(
         output_dir=tmp, seed=m.seed, model=dataclasses.replace(m, dtype="float32"),  # the recipe is fp32, whatever the run's
-        data=DataConfig(name=m.warm_start_task, **data),
+        data=task_config(m.warm_start_task, **data),
         backend=BackendConfig(name="single"), logging=LoggingConfig(wandb=False),
         trainer=TrainerConfig(max_steps=r["steps"], batch_size=r["batch_size"], micro_batch_size=WARM_MICRO_BATCH,
                               lr=r["lr"], warmup_steps=max(1, r["steps"] // 20), min_lr_ratio=0.05,

@@ -217,11 +217,11 @@ def test_bad_knobs_fail_clearly(kwargs, match):
 
 @pytest.mark.slow  # imports trainer.setup (torch, transformers): seconds
 def test_build_task_and_the_data_config():
-    from trainer.config import DataConfig
+    from tasks import ArtifactsConfig
     from trainer.setup import build_task_from
 
-    t = build_task_from(DataConfig(name="artifacts", n_train=50, n_test=4, n_artifacts=3, artifact_rows=2,
-                                   n_library=100, n_library_ood=40, artifact_prefix="t:\n"))
+    t = build_task_from(ArtifactsConfig(n_train=50, n_test=4, n_artifacts=3, artifact_rows=2,
+                                        n_library=100, n_library_ood=40, artifact_prefix="t:\n"))
     assert isinstance(t, ArtifactTask) and t.name == "artifacts"
     ex = t.examples_of("test", "select")[0]
     assert len(ex.artifacts) == 3 and all(len(tables(ex)[n]) == 2 for n in tables(ex))
@@ -231,18 +231,19 @@ def test_build_task_and_the_data_config():
 
 @pytest.mark.slow  # imports trainer.setup (torch, transformers): seconds
 def test_the_charset_check_applies_to_the_tiny_tokenizer_only():
-    from trainer.config import DataConfig, ModelConfig
+    from tasks import ArithConfig, ArtifactsConfig
+    from trainer.config import ModelConfig
     from trainer.setup import build_task_from
 
-    data = DataConfig(name="artifacts", n_train=10, n_test=2, n_artifacts=2, artifact_rows=2, n_library=20,
-                      n_library_ood=10, artifact_prefix="Each Table:\n")
+    data = ArtifactsConfig(n_train=10, n_test=2, n_artifacts=2, artifact_rows=2, n_library=20,
+                           n_library_ood=10, artifact_prefix="Each Table:\n")
     with pytest.raises(DataError, match=r"\['E', 'T'\] are outside the tiny tokenizer's charset"):
         build_task_from(data)  # the embedded tiny model: upper case would become <unk>
     with pytest.raises(DataError, match="outside the tiny tokenizer's charset"):
         build_task_from(data, ModelConfig())
     t = build_task_from(data, ModelConfig(name="hf", path="/some/pretrained"))  # its own tokenizer
     assert t.prompt(t.examples_of("test", "single")[0]).startswith("Each Table:\n[")
-    arith = DataConfig(name="arith", n_train=10, n_test=2, prompt_template="Q: {question}\nA: ")
+    arith = ArithConfig(n_train=10, n_test=2, prompt_template="Q: {question}\nA: ")
     with pytest.raises(DataError, match="outside the tiny tokenizer's charset"):
         build_task_from(arith)
     assert build_task_from(arith, ModelConfig(name="hf", path="/p")).prompt_template.startswith("Q: ")
