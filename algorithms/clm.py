@@ -35,7 +35,7 @@ from torch import nn
 
 from algorithms import losses
 from algorithms.advantages import GroupRollouts, group_advantages
-from algorithms.dynamic_sampling import DynamicSampling, Retirement, fill_groups
+from algorithms.dynamic_sampling import DynamicSampling, ReferenceAndRetirementState, Retirement, fill_groups
 from algorithms.base import Batch, LossChunking, PolicyTerms, RolloutContext, StepOutput, Traits
 from algorithms.rollouts import encode, encode_prompt, rollout_batch
 from algorithms.losses import k3_kl
@@ -44,7 +44,7 @@ from algorithms.teacher import SelfTeacher
 from models.export import export_model
 from models.lora import LoRAOptions, train_all_or_lora
 from tasks import DataError
-from tasks.clm import ContextEnv, Episode, EpisodeError
+from tasks.clm import ClmTask, ContextEnv, Episode, EpisodeError
 
 if TYPE_CHECKING:  # the runtime is imported where it runs: config loading imports this module and stays light
     from inference import SamplingParams
@@ -209,8 +209,8 @@ class Trajectory:
         return sum(c.edit for c in self.calls)
 
 
-def play_episodes(engine: "SessionEngine", tokenizer: Any, task: Any, episodes: Sequence[Any], params: "SamplingParams",
-                  max_calls: int, budget: int = 0, generator: Optional[torch.Generator] = None,
+def play_episodes(engine: "SessionEngine", tokenizer: Any, task: ClmTask, episodes: Sequence[Any],
+                  params: "SamplingParams", max_calls: int, budget: int = 0, generator: Optional[torch.Generator] = None,
                   max_seq_len: Optional[int] = None) -> list[Trajectory]:
     """Play `episodes` (one trajectory each, in order) through `engine`, every live episode one row of
     each round's batched call; each episode is its own engine session, ended when it finishes."""
@@ -224,8 +224,7 @@ def play_episodes(engine: "SessionEngine", tokenizer: Any, task: Any, episodes: 
     trajectories = []
     for ep in episodes:
         try:
-            limit_tokens = budget or getattr(ep, "budget", 0) or getattr(task, "budget", 0) or None
-            env = ContextEnv(ep, fmt=fmt, count_tokens=count, budget=limit_tokens, max_calls=max_calls)
+            env = ContextEnv(ep, fmt=fmt, count_tokens=count, budget=budget or task.row_budget(ep), max_calls=max_calls)
             trajectories.append(Trajectory(ep, env))
         except EpisodeError as err:
             trajectories.append(Trajectory(ep, None, error=str(err)))
@@ -290,7 +289,7 @@ def episode_metrics(trajectories: Sequence[Trajectory], prefix: str = "clm") -> 
 # --- the algorithm ---------------------------------------------------------------------------------
 
 
-class CLM:
+class CLM(ReferenceAndRetirementState):
     name = "clm"
 
     def __init__(self, cfg: CLMConfig):
@@ -303,7 +302,7 @@ class CLM:
 
     def check_task(self, task: Any) -> None:
         examples = list(task.train_examples()[:1])
-        if not examples or not isinstance(examples[0], Episode) or not hasattr(task, "fmt"):
+        if not isinstance(task, ClmTask) or not examples or not isinstance(examples[0], Episode):
             raise DataError(f"algo clm plays context-file episodes: data={getattr(task, 'name', task)} does not "
                             "provide them (use data=clm, or data=clm data.path=FILE.jsonl)")
 
@@ -434,25 +433,6 @@ class CLM:
     def export(self, model: nn.Module, tokenizer: Any, out_dir: str) -> None:
         export_model(model, tokenizer, out_dir, self.name)
 
-    def state_dict(self) -> dict:
-        """The KL reference (beta > 0) and the retired tasks (retire_after): rollouts are regenerated, the
-        engine's sessions cleared."""
-        state = {"reference": self.reference.state_dict()} if self.cfg.beta > 0 else {}
-        if self.cfg.retire_after > 0:
-            state.update(self.retirement.state_dict())
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        if "reference" in state:
-            self.reference.load_state_dict(state["reference"])
-        self.retirement.load_state_dict(state)
-
-    def rank_state_dict(self) -> dict:
-        """This rank's visit streaks towards retirement (retire_after)."""
-        return self.retirement.rank_state_dict()
-
-    def load_rank_state_dict(self, state: dict) -> None:
-        self.retirement.load_rank_state_dict(state)
 
 
 def _one_row(ids: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -163,3 +163,28 @@ class Retirement:
 
     def load_rank_state_dict(self, state: dict) -> None:
         self.streaks = {uid: (v[0], int(v[1])) for uid, v in state.get("streaks", {}).items()}
+
+
+class ReferenceAndRetirementState:
+    """The checkpointed state of an RL algorithm with a frozen KL reference (`self.reference`, saved when
+    `cfg.beta > 0`) and a `self.retirement` (grpo, clm). Rollouts are not saved: a resumed run generates
+    afresh (grpo's batch reused for num_iterations, clm's engine sessions)."""
+
+    def state_dict(self) -> dict:
+        """What every rank shares (rank 0 writes it): the reference's weights and the retired prompts."""
+        state = {"reference": self.reference.state_dict()} if self.cfg.beta > 0 else {}
+        if self.cfg.retire_after > 0:
+            state.update(self.retirement.state_dict())
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if "reference" in state:
+            self.reference.load_state_dict(state["reference"])
+        self.retirement.load_state_dict(state)
+
+    def rank_state_dict(self) -> dict:
+        """This rank's visit streaks towards retirement (retire_after)."""
+        return self.retirement.rank_state_dict()
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        self.retirement.load_rank_state_dict(state)

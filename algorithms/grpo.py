@@ -46,7 +46,7 @@ from algorithms import losses
 from algorithms.advantages import GroupRollouts, group_advantages
 from algorithms.base import (Batch, LossChunking, PolicyTerms, RolloutContext, RowShape, StepOutput, TokenLogprobs,
                              Traits)
-from algorithms.dynamic_sampling import DynamicSampling, Retirement, fill_groups
+from algorithms.dynamic_sampling import DynamicSampling, ReferenceAndRetirementState, Retirement, fill_groups
 from algorithms.rollouts import encode_prompt, rollout_batch, sample
 from algorithms.losses import k3_kl
 from algorithms.scoring import policy_logprobs, scatter_tokens, student_features
@@ -139,7 +139,7 @@ def load_reward_fn(spec: str) -> Callable[[Any, str], Optional[float]]:
     return fn
 
 
-class GRPO:
+class GRPO(ReferenceAndRetirementState):
     name = "grpo"
 
     def __init__(self, cfg: GRPOConfig):
@@ -342,24 +342,6 @@ class GRPO:
     def export(self, model: nn.Module, tokenizer: Any, out_dir: str) -> None:
         export_model(model, tokenizer, out_dir, self.name)
 
-    def state_dict(self) -> dict:
-        # A resumed run starts a fresh generation: the batch being reused for num_iterations is not saved.
-        state = {"reference": self.reference.state_dict()} if self.cfg.beta > 0 else {}
-        if self.cfg.retire_after > 0:
-            state.update(self.retirement.state_dict())
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        if "reference" in state:
-            self.reference.load_state_dict(state["reference"])
-        self.retirement.load_state_dict(state)
-
-    def rank_state_dict(self) -> dict:
-        """This rank's visit streaks towards retirement (retire_after)."""
-        return self.retirement.rank_state_dict()
-
-    def load_rank_state_dict(self, state: dict) -> None:
-        self.retirement.load_rank_state_dict(state)
 
 
 def _mean(values: torch.Tensor) -> torch.Tensor:

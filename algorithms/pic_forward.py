@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from inference.relocate import RopeLayout, relocate_keys, rope_layout
+from inference.relocate import PICError, RopeLayout, relocate_keys, rope_layout
 from models.anatomy import causal_lm, final_hidden
 from models.prompts import continuation_ids, prompt_ids
 from models.query_adapter import adapter_disabled
@@ -40,10 +40,6 @@ if TYPE_CHECKING:  # transformers loads on first use: configuration never import
     from transformers import DynamicCache
 
 PREFIX, QUERY = 0, -1  # segment labels: 0 the shared prefix, k >= 1 artifact k, -1 after the artifacts
-
-
-class PICError(ValueError):
-    """A model the position-independent cache cannot serve; the message names why."""
 
 
 @dataclass(frozen=True)

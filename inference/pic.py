@@ -66,7 +66,7 @@ from inference.lean import (
     EAGER, KEY, VALUE, LayerWeights, LeanBackend, Projection, Weights, _attend,
     read_dims, rope_at, rope_tables, sparse_prefill,
 )
-from inference.relocate import RopeLayout, relocate_keys, rope_layout
+from inference.relocate import PICError, RopeLayout, relocate_keys, rope_layout
 from inference.rollout import Completion
 from inference.sampling import SamplingParams
 
@@ -76,10 +76,6 @@ MAX_EPIC_TOKENS = 32
 # relocation measures ~1e-10 on the tiny model; a misread RoPE layout gives 1e-2 and more.
 RELOCATION_KL_WARN = 1e-4
 PROBE_TOKENS = 8
-
-
-class PICError(ValueError):
-    """A request or model the position-independent cache cannot serve; the message says why."""
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,12 @@ INTERLEAVED_MODEL_TYPES = frozenset({"gptj", "codegen", "cohere", "cohere2", "ch
 LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
 
+class PICError(ValueError):
+    """A request or model the position-independent cache cannot serve; the message says why. Defined here,
+    the lightest module of the cache, so that training code (algorithms/pic_forward.py) raises the same
+    error without importing the engine; `inference.pic` exports it."""
+
+
 class RelocationError(ValueError):
     """A model whose RoPE layout makes relocating cached keys wrong; the message names why."""
 

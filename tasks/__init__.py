@@ -16,6 +16,10 @@ tables, each a separate prompt artifact), `clm` (ClmTask, ContextEnv, Episode: e
 model keeps its own context file within a token budget; the file format is `context_file`), `text`
 (TextTask: JSONL / Parquet / CSV / saved datasets / hub; rows may carry an `artifacts` list). No
 Hydra here: tasks take plain keyword arguments.
+
+Each task module also holds the task's config, a `TaskConfig` dataclass of its keys (ArithConfig, ...,
+the `data` section of a run), registered in `TASK_CONFIGS` by name; `task_config("arith", digits=3).build()`
+makes the task as `data=arith data.digits=3` does. Adding a task: docs/adding-a-task.md.
 Run the tests with `python -m pytest tests/tasks -q`.
 """
 from __future__ import annotations
@@ -61,7 +65,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def build_task(name: str, **kwargs: Any) -> Task:
-    """A task by name: "arith", "multipath", "artifacts", "clm", "text" (kwargs give `path`, ...), a preset, or an existing local path."""
+    """A task by name (`TASKS`, built from keyword arguments: "text" takes `path`, ...), a preset, or an existing
+    local path (a text task)."""
     if name in TASKS:
         return TASKS[name](**kwargs)
     if name in PRESETS:
@@ -80,9 +85,10 @@ def task_config(name: str, **values: Any) -> TaskConfig:
 
 
 __all__ = [
-    "Action", "ArithConfig", "ArithTask", "ArtifactTask", "ArtifactsConfig", "ClmConfig", "ClmTask", "ContextEnv", "ContextFile", "ContextFormat", "DataError",
-    "Episode", "EpisodeError", "Example", "HasArtifacts", "HasSolutionPaths", "MultiPathConfig", "MultiPathTask", "PromptTemplates",
-    "Segments", "PRESETS", "RendersOwnPrompts", "TASKS", "TASK_CONFIGS", "Task", "TaskCapabilities", "TaskConfig",
-    "TINY_FORMAT", "TextConfig", "TextTask", "Turn", "VerifyResult", "answers_equal", "build_task", "extract_answer", "kind_of",
-    "mask_spans", "parse_action", "score", "scripted_output", "task_capabilities", "task_config",
+    "Action", "answers_equal", "ArithConfig", "ArithTask", "ArtifactsConfig", "ArtifactTask", "build_task",
+    "ClmConfig", "ClmTask", "ContextEnv", "ContextFile", "ContextFormat", "DataError", "Episode", "EpisodeError",
+    "Example", "extract_answer", "HasArtifacts", "HasSolutionPaths", "kind_of", "mask_spans", "MultiPathConfig",
+    "MultiPathTask", "parse_action", "PRESETS", "PromptTemplates", "RendersOwnPrompts", "score", "scripted_output",
+    "Segments", "Task", "task_capabilities", "task_config", "TASK_CONFIGS", "TaskCapabilities", "TaskConfig",
+    "TASKS", "TextConfig", "TextTask", "TINY_FORMAT", "Turn", "VerifyResult",
 ]

@@ -20,7 +20,7 @@ BAD_INPUTS = [
     (["+algo=sft", "model.path=/no/such/model"], "model.path=/no/such/model"),
     (["+algo=sft", "model=hf"], "model=hf needs model.path"),
     (["+algo=sft", "algo.bogus=1"], "unknown key algo.bogus: algo sft has no key 'bogus' (its keys: name, "),
-    (["+algo=sft", "backend=nope"], "backend/nope"),
+    (["+algo=sft", "backend=nope"], "backend=nope: no such option (available: auto, ddp, deepspeed, fsdp, single)"),
     (["+algo=sft", "data=text", "data.path=x.jsonl", "data.on_bad_row=maybe"], "data.on_bad_row=maybe"),
     # each task validates only its own keys: arith's digits is unknown to the artifacts task attuner runs on
     (["+algo=attuner", "data.digits=3"], "unknown key data.digits: data=artifacts has no key 'digits' (its keys: "),

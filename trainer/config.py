@@ -247,8 +247,8 @@ def load_config(overrides: list[str], algo_schemas: dict[str, type], training: b
     algo_raw = raw.pop("algo", {}) or {}
     data_raw = raw.pop("data", {}) or {}
     task = data_raw.get("name")
-    if task not in TASK_CONFIGS:
-        raise ConfigError(f"data.name={task} is not one of {', '.join(TASK_CONFIGS)}")
+    if task not in TASK_CONFIGS:  # a task composed but no longer registered (in one process)
+        raise ConfigError(_no_such_option("data", task))
     cfg: TrainConfig = _typed(TrainConfig(data=None, algo=None), raw)
     cfg.data = _typed(TASK_CONFIGS[task](), data_raw, "data", f"data={task}")
     cfg.algo = _typed(algo_schemas[name](), algo_raw, "algo", f"algo {name}")
@@ -329,12 +329,20 @@ def _refuse_data_name(overrides: list[str]) -> None:
             raise ConfigError(f"{arg}: select the task with data={task} (data.name is the selected task's own)")
 
 
+def _no_such_option(group: str, option: str) -> str:
+    options = TASK_CONFIGS if group == "data" else [p.stem for p in (CONFIG_DIR / group).glob("*.yaml")]
+    return f"{group}={option}: no such option (available: {', '.join(sorted(options))})"
+
+
 def _compose_error(err: BaseException, overrides: list[str], algo_schemas: dict[str, type]) -> str:
     """Hydra's composition error as one line. An override of a key the selected task or algorithm does not
     have names the key and the keys it does have (the selection is read by composing without it)."""
     import re
 
     line = _one_line(err)
+    missing = re.search(r"Could not find '(\w+)/([^']+)'", line)
+    if missing is not None:
+        return _no_such_option(*missing.groups())
     match = re.search(r"Could not override '((data|algo)\.([^'.]+))'", str(err))
     if match is None:
         return line

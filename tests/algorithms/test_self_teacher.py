@@ -86,11 +86,13 @@ def test_collapse_warning_fires_in_a_run_that_collapses(tmp_path, capsys):
     from trainer.distributed import World
     from trainer.loop import fit
     from trainer.setup import build_session
+    from trainer.warm_start import ensure
 
     overrides = [o for o in tiny_overrides(tmp_path / "run", algo="opsd") if not o.startswith("model")]
     cfg = load_config([*overrides, "model=tiny", "algo.teacher=current", "trainer.lr=0.05", "trainer.warmup_steps=0",
                        "trainer.max_steps=4", "trainer.eval_every=4", "trainer.eval_examples=24",
                        "data.steps=2", "trainer.max_new_tokens=48"], config_schemas())
+    ensure(cfg.model, World())  # the shipped default model into its cache entry, as train.py's warm-start stage
     session = build_session(cfg, World())
     fit(session)
     session.tracker.close()
