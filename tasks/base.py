@@ -118,7 +118,13 @@ class TaskConfig:
 
     def validate(self) -> None:
         """Value checks of the shared keys; a subclass extends it with its own. ValueError, one line
-        naming the key."""
+        naming the key. Normalises `chat_template` to auto | true | false (booleans and their spellings)."""
+        from models.prompts import chat_mode
+
+        try:
+            self.chat_template = chat_mode(self.chat_template)
+        except ValueError as err:
+            raise ValueError(f"data.{err}") from None
         if self.length_policy not in LENGTH_POLICIES:
             raise ValueError(f"data.length_policy={self.length_policy} is not one of {', '.join(LENGTH_POLICIES)}")
         for key in ("max_prompt_tokens", "max_length"):

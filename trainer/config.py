@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from models.model_dir import tokenizer_problem  # the standard library only, like this module
-from tasks import TASK_CONFIGS, ArithConfig, ClmConfig
+from tasks import TASK_CONFIGS, ArithConfig
 from trainer.activations.options import ActivationConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -420,9 +420,12 @@ def validate(cfg: TrainConfig, training: bool = True) -> None:
     _validate_model_path(cfg.model)
     if training:
         _validate_low_bit_base(cfg, traits)
+    try:
+        cfg.data.validate()  # every task config checks its own values (and normalises data.chat_template)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     _validate_chat_template(cfg)
     try:
-        cfg.data.validate()  # every task config checks its own values
         cfg.algo.validate()  # every algorithm config checks its own values
         if isinstance(cfg.algo, ChecksRun):  # ... and some against the budget and the model's layout
             cfg.algo.check_run(t.max_steps, model_skeleton(cfg.model))
@@ -494,14 +497,9 @@ def _validate_low_bit_base(cfg: TrainConfig, traits) -> None:
 
 
 def _validate_chat_template(cfg: TrainConfig) -> None:
-    """data.chat_template normalised to auto | true | false; `true` refused up front where no template exists."""
-    from models.prompts import chat_mode
-
-    try:
-        cfg.data.chat_template = chat_mode(cfg.data.chat_template)
-    except ValueError as err:
-        raise ConfigError(f"data.{err}") from None
-    if cfg.data.chat_template != "true" or isinstance(cfg.data, ClmConfig):  # clm refuses it itself
+    """data.chat_template=true (normalised by the task config's validate) refused up front where the model's
+    tokenizer has no template."""
+    if cfg.data.chat_template != "true":
         return
     if cfg.model.path is None:
         raise ConfigError("data.chat_template=true: the embedded tiny model's tokenizer has no chat template "
