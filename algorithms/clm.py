@@ -83,7 +83,7 @@ class CLMConfig(LoRAOptions, LossChunking, DynamicSampling, GroupRollouts):
             raise ValueError(f"algo.top_p={self.top_p} must be in (0, 1]")
         if self.w_eff < 0:
             raise ValueError(f"algo.w_eff={self.w_eff} must be >= 0")
-        self.check_dynamic_sampling(DYNAMIC_METRICS)
+        self.check_dynamic_sampling(self.dynamic_metric, DYNAMIC_METRICS)
         if not (0.0 <= self.epsilon_low < 1.0 and self.epsilon_high >= 0.0):
             raise ValueError(f"algo.epsilon_low={self.epsilon_low} must be in [0, 1) and "
                              f"algo.epsilon_high={self.epsilon_high} >= 0")
@@ -432,7 +432,6 @@ class CLM(ReferenceAndRetirementState):
 
     def export(self, model: nn.Module, tokenizer: Any, out_dir: str) -> None:
         export_model(model, tokenizer, out_dir, self.name)
-
 
 
 def _one_row(ids: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

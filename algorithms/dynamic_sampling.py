@@ -86,10 +86,9 @@ class DynamicSampling:
     retire_after: int = 0  # > 0 (with dynamic_sampling): retire a prompt whose group was all right, or all
     # wrong, on this many visits in a row; it is not sampled again
 
-    def check_dynamic_sampling(self, metrics: Sequence[str]) -> None:
-        """`dynamic_max_rounds` >= 1, the config's `dynamic_metric` one of `metrics`, `retire_after`
-        >= 0 and > 0 only with `dynamic_sampling`."""
-        metric = getattr(self, "dynamic_metric")  # declared by each algorithm's config, with its own values
+    def check_dynamic_sampling(self, metric: str, metrics: Sequence[str]) -> None:
+        """`dynamic_max_rounds` >= 1, the config's `dynamic_metric` (declared by each algorithm's config,
+        passed as `metric`) one of `metrics`, `retire_after` >= 0 and > 0 only with `dynamic_sampling`."""
         if self.dynamic_max_rounds < 1:
             raise ValueError(f"algo.dynamic_max_rounds={self.dynamic_max_rounds} must be >= 1")
         if metric not in metrics:

@@ -118,7 +118,7 @@ class GRPOConfig(LoRAOptions, LossChunking, DynamicSampling, GroupRollouts):
         if self.beta < 0 or self.lora_rank < 0:
             raise ValueError("algo.beta and algo.lora_rank must be >= 0")
         self.check_loss_chunking()
-        self.check_dynamic_sampling(DYNAMIC_METRICS)
+        self.check_dynamic_sampling(self.dynamic_metric, DYNAMIC_METRICS)
         if self.logprob_batch_size <= 0:
             raise ValueError(f"algo.logprob_batch_size={self.logprob_batch_size} must be > 0")
         if self.reward_fn is not None:
@@ -341,7 +341,6 @@ class GRPO(ReferenceAndRetirementState):
 
     def export(self, model: nn.Module, tokenizer: Any, out_dir: str) -> None:
         export_model(model, tokenizer, out_dir, self.name)
-
 
 
 def _mean(values: torch.Tensor) -> torch.Tensor:

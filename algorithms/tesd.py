@@ -78,7 +78,7 @@ class TESDConfig(SelfDistillConfig, DynamicSampling):
             raise ValueError(f"algo.teacher_rollouts={self.teacher_rollouts} must be >= 2 (group-relative advantages)")
         if self.reward_mode not in REWARD_MODES:
             raise ValueError(f"algo.reward_mode={self.reward_mode} is not one of {', '.join(REWARD_MODES)}")
-        self.check_dynamic_sampling(DYNAMIC_METRICS)
+        self.check_dynamic_sampling(self.dynamic_metric, DYNAMIC_METRICS)
         if self.alpha < 0 or self.independence_weight < 0 or self.copy_ngram < 0:
             raise ValueError("algo.alpha, algo.independence_weight and algo.copy_ngram must be >= 0")
 

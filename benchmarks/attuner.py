@@ -284,7 +284,7 @@ def print_accuracy(res: dict) -> None:
 # ----------------------------------------------------------------------------- main
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--skip-ttft", action="store_true")
@@ -310,6 +310,11 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results"),
                     help="attuner_ttft.{json,md} and attuner_accuracy-NAME.{json,md} go here, one file per "
                          "finished accuracy run under attuner/NAME/ (a rerun skips those); '' writes nothing")
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     if not {"full", "pic"} <= set(args.modes):
         ap.error(f"--modes must include full and pic (the reference and the baseline), got {' '.join(args.modes)}")
@@ -345,7 +350,9 @@ def main() -> None:
 def results_name(args) -> str:
     """tiny for the default model, runs and eval size; otherwise a short hash of what changes them
     (so per-run files of another setting are never read back as this one's)."""
-    if not args.config and not args.extra and (args.steps, args.eval_examples) == (200, 100):
+    defaults = parser().parse_args([])
+    if not args.config and not args.extra and (args.steps, args.eval_examples) == (defaults.steps,
+                                                                                    defaults.eval_examples):
         return "tiny"
     import hashlib
 

@@ -318,15 +318,17 @@ def measure_target(args, target: float, tok, wide_base, prompts) -> dict:
 def measure_tag(args) -> str:
     """"" at the default measurement settings, else a short hash of them: a per-run file measured
     otherwise (other batch sizes, steps, repeats, fractions or eval size) is never read back as this one."""
-    key = [args.eval_examples, args.new_tokens, args.repeats, args.batches, args.fractions]
-    if key == [100, 40, 3, [1, 8, 32], [0.25, 0.5, 0.75, 1.0]]:
+    def key(a):
+        return [a.eval_examples, a.new_tokens, a.repeats, a.batches, a.fractions]
+
+    if key(args) == key(parser().parse_args([])):
         return ""
     import hashlib
 
-    return "-m" + hashlib.sha1(json.dumps(key).encode()).hexdigest()[:6]
+    return "-m" + hashlib.sha1(json.dumps(key(args)).encode()).hexdigest()[:6]
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/posttrain/bench-skipper"))
     ap.add_argument("--layers", type=int, default=12)
@@ -346,7 +348,11 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results"),
                     help="skipper.json / skipper.md go here, one file per finished run under skipper/ (a rerun "
                          "skips those); '' writes nothing")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     from benchmarks.results_io import provenance, remembered
     from models.loading import load_pretrained
 
