@@ -103,6 +103,9 @@ def accuracy_summary(evals: list[dict], extra: dict[str, str] | None = None) -> 
     if not evals:
         return "held-out accuracy: no evaluation ran"
     first, last = evals[0], evals[-1]
+    if "accuracy" not in first:  # data=chat without reference answers: the held-out loss is the figure
+        return (f"held-out loss (n={last['n']}, {last['loss_tokens']} tokens): step {first['step']} "
+                f"{first['loss']:.4f} -> step {last['step']} {last['loss']:.4f}")
     teacher = f" (teacher prompt with reference {first['teacher_accuracy']:.3f})" if "teacher_accuracy" in first else ""
     before = f"step {first['step']} {first['accuracy']:.3f}{teacher}"
     line = f"held-out accuracy (n={last['n']}): {before} -> step {last['step']} {last['accuracy']:.3f}"

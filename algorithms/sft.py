@@ -1,6 +1,7 @@
 """Supervised fine-tuning on worked solutions: loss on solution tokens only.
 
-The prompt is the task's student prompt; with `reference_fraction > 0` that share of rows instead
+The prompt is the task's student prompt; on data=chat the row is the task's own tokens as written
+(`row_tokens`: TRL's SFT ids and loss mask, tasks/chat.py). With `reference_fraction > 0` that share of rows instead
 uses the privileged teacher prompt carrying the reference solution (full, or with a random share of
 its steps masked), which teaches a model to read a reference -- the warm start of the embedded model
 does this so the self-teacher of the distillation algorithms has something to offer.
@@ -18,7 +19,7 @@ import torch
 from algorithms import losses
 from algorithms.base import Batch, RolloutContext, RowShape, StepOutput, Traits, pad_right
 from models.prompts import continuation_ids, prompt_ids
-from tasks import mask_spans
+from tasks import DataError, mask_spans, task_capabilities
 
 
 @dataclass
@@ -51,6 +52,18 @@ class SFT:
         """Prompt + the reference solution + EOS; the teacher prompt too with reference_fraction > 0."""
         return RowShape("reference", teacher_prompt=self.cfg.reference_fraction > 0)
 
+    def check_task(self, task: Any) -> None:
+        """A task that tokenizes its rows as written (data=chat): every training row tokenized now, so a bad
+        row is one line before any work; the reference-reading prompt applies to question/solution data only."""
+        rows = task_capabilities(task).row_tokens
+        if rows is None:
+            return
+        if self.cfg.reference_fraction > 0:
+            raise DataError(f"algo.reference_fraction={self.cfg.reference_fraction}: a teacher prompt needs "
+                            f"question/solution data; data={task.name} rows train as written (set it to 0)")
+        for ex in task.train_examples():
+            rows(ex)
+
     def prompt_text(self, example: Any, task: Any) -> str:
         if self.rng.random() >= self.cfg.reference_fraction:
             return task.prompt(example)
@@ -63,6 +76,12 @@ class SFT:
 
     def make_batch(self, examples: Sequence[Any], ctx: RolloutContext) -> Batch:
         tok = ctx.tokenizer
+        task_rows = task_capabilities(ctx.task).row_tokens
+        if task_rows is not None:  # data=chat: the row's own ids and loss mask
+            rows, masks = zip(*(task_rows(ex) for ex in examples))
+            ids, attn = pad_right(rows, tok.pad_token_id, ctx.device)
+            loss_mask, _ = pad_right(masks, 0, ctx.device)
+            return Batch(ids, attn, loss_mask, uids=[ex.uid for ex in examples])
         rows, starts = [], []
         for ex in examples:
             prompt = prompt_ids(tok, self.prompt_text(ex, ctx.task))

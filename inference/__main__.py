@@ -194,7 +194,7 @@ def _serve_artifacts(args) -> int:
     def ids(text: str) -> list[int]:
         return continuation_ids(tokenizer, text)
 
-    # As training cuts a templated prompt (tasks/chat.py): the template's head joins the shared prefix,
+    # As training cuts a templated prompt (tasks/chat_template.py): the template's head joins the shared prefix,
     # the artifacts and the prompt are the user turn's content, the tail (the assistant cue) ends the query.
     try:
         head, tail = chat_parts(tokenizer) if use_chat(tokenizer, _mode(args.chat)) else ("", "")

@@ -5,6 +5,7 @@ tasks; tasks import nothing of theirs (only `models.tokenizer` for the embedded 
     task = build_task("arith", seed=0, digits=3, steps=2)          # the embedded task
     task = build_task("multipath", seed=0, digits=2, steps=3)      # arith whose operations go in any order
     task = build_task("text", path="data/train.jsonl", test_fraction=0.1)
+    task = build_task("chat", path="chat.jsonl", test_fraction=0.1)   # rows in TRL's formats, trained as written
     task = build_task("artifacts", seed=0, n_artifacts=4)               # table lookups (single/select/combine)
     task = build_task("clm", seed=0, budget=200)                 # context-management episodes (ContextEnv)
     result = task.verify(example, completion)                    # VerifyResult; score(result, mode)
@@ -14,7 +15,9 @@ Modules: `base` (Example, VerifyResult, score, extract_answer, answers_equal, ma
 with several valid solution orders, verified step by step in any valid order), `artifacts` (ArtifactTask: lookups in named
 tables, each a separate prompt artifact), `clm` (ClmTask, ContextEnv, Episode: episodes in which the
 model keeps its own context file within a token budget; the file format is `context_file`), `text`
-(TextTask: JSONL / Parquet / CSV / saved datasets / hub; rows may carry an `artifacts` list). No
+(TextTask: JSONL / Parquet / CSV / saved datasets / hub; rows may carry an `artifacts` list), `chat`
+(ChatTask: rows in TRL's dataset formats, tokenized as TRL's SFTTrainer does; `chat_template` is the
+wrapper that renders the other tasks' prompts through a tokenizer's chat template). No
 Hydra here: tasks take plain keyword arguments.
 
 Each task module also holds the task's config, a `TaskConfig` dataclass of its keys (ArithConfig, ...,
@@ -43,6 +46,7 @@ from tasks.base import (
     Task,
     TaskCapabilities,
     TaskConfig,
+    TokenizesRows,
     VerifyResult,
     answers_equal,
     extract_answer,
@@ -51,11 +55,12 @@ from tasks.base import (
     task_capabilities,
 )
 from tasks.text import TextConfig, TextTask
+from tasks.chat import ChatConfig, ChatTask
 
 # The task registry: each task's config class (its keys, its name, the task it builds). `data=NAME` runs
 # the task whose config is named NAME; a new task registers its config here (docs/adding-a-task.md).
 TASK_CONFIGS: dict[str, type[TaskConfig]] = {
-    c.name: c for c in (ArithConfig, MultiPathConfig, ArtifactsConfig, ClmConfig, TextConfig)}
+    c.name: c for c in (ArithConfig, MultiPathConfig, ArtifactsConfig, ClmConfig, TextConfig, ChatConfig)}
 TASKS: dict[str, Callable[..., Task]] = {name: c.task_class for name, c in TASK_CONFIGS.items()}
 # Named user datasets: a preset is TextTask keyword arguments the caller may override.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -85,7 +90,7 @@ def task_config(name: str, **values: Any) -> TaskConfig:
 
 
 __all__ = [
-    "Action", "answers_equal", "ArithConfig", "ArithTask", "ArtifactsConfig", "ArtifactTask", "build_task",
+    "Action", "answers_equal", "ArithConfig", "ChatConfig", "ChatTask", "TokenizesRows", "ArithTask", "ArtifactsConfig", "ArtifactTask", "build_task",
     "ClmConfig", "ClmTask", "ContextEnv", "ContextFile", "ContextFormat", "DataError", "Episode", "EpisodeError",
     "Example", "extract_answer", "HasArtifacts", "HasSolutionPaths", "kind_of", "mask_spans", "MultiPathConfig",
     "MultiPathTask", "parse_action", "PRESETS", "PromptTemplates", "RendersOwnPrompts", "score", "scripted_output",

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 ANSWER_MARKER = "####"
 NUMERIC_TOLERANCE = 1e-6  # absolute: answers are mostly integers, a relative tolerance would equate 1e6 and 1e6+1
@@ -33,6 +33,10 @@ class Example:
     # before the final user turn, which holds the question. Rendered by the chat template, or as
     # plain text before the prompt without one (models/prompts.py).
     turns: tuple[tuple[str, str], ...] = ()
+    # A data=chat row as written (tasks/chat.py: its format, prompt and completion); None for other tasks.
+    row: Any = field(default=None, compare=False)
+    # Every column of the row as read (reward functions receive them); empty for generated tasks.
+    columns: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ class TaskConfig:
     `data` section against the selected task's class, so a key another task reads is an unknown key here.
 
     The prompt keys are applied by the trainer around any task: the tokenizer's chat template
-    (`chat_template`, tasks/chat.py) and the length limits (tasks/lengths.py)."""
+    (`chat_template`, tasks/chat_template.py) and the length limits (tasks/lengths.py)."""
 
     name: str = ""
     seed: int = 0  # the task's data seed (generated problems, a held-out split)
@@ -199,6 +203,19 @@ class RendersOwnPrompts(Protocol):
     def row_budget(self, example: Example) -> int: ...
 
 
+@runtime_checkable
+class TokenizesRows(Protocol):
+    """A task whose rows train as written (data=chat): bound to the run's tokenizer (`bind`, with `chat`
+    saying whether its chat template renders conversational rows), it gives each example's SFT row as
+    (ids, loss mask); `verifiable` says whether `verify` means anything (reference answers exist)."""
+
+    verifiable: bool
+
+    def bind(self, tokenizer: Any, chat: bool) -> Any: ...
+    def row_tokens(self, example: Example) -> tuple[list[int], list[int]]: ...
+    def row_lengths(self, example: Example) -> tuple[int, int]: ...
+
+
 @dataclass(frozen=True)
 class TaskCapabilities:
     """What the trainer and the algorithms may ask of a task beyond the `Task` contract, read from
@@ -209,21 +226,29 @@ class TaskCapabilities:
     segments: Optional[Callable[[Example], Segments]] = None  # HasArtifacts
     renders_own_prompts: bool = False  # RendersOwnPrompts
     row_budget: Optional[Callable[[Example], int]] = None  # RendersOwnPrompts: tokens a row grows up to
+    row_tokens: Optional[Callable[[Example], tuple[list[int], list[int]]]] = None  # TokenizesRows: (ids, mask)
+    row_lengths: Optional[Callable[[Example], tuple[int, int]]] = None  # TokenizesRows: (prompt, whole row) tokens
+    verifiable: bool = True  # verify() compares with a reference answer (False: a TokenizesRows task without one)
 
 
 def task_capabilities(task: Any) -> TaskCapabilities:
     """`task`'s optional capabilities; TypeError naming the task when a declaration is malformed."""
     paths = isinstance(task, HasSolutionPaths)
     own = isinstance(task, RendersOwnPrompts)
+    rows = isinstance(task, TokenizesRows)
     for key, ok in (("several_paths", not paths or isinstance(task.several_paths, bool)),
-                    ("renders_own_prompts", not own or isinstance(task.renders_own_prompts, bool))):
+                    ("renders_own_prompts", not own or isinstance(task.renders_own_prompts, bool)),
+                    ("verifiable", not rows or isinstance(task.verifiable, bool))):
         if not ok:
             raise TypeError(f"task {type(task).__name__}: {key} must be True or False")
     return TaskCapabilities(solution_path=task.solution_path if paths else None,
                             several_paths=paths and task.several_paths,
                             segments=task.segments if isinstance(task, HasArtifacts) else None,
                             renders_own_prompts=own and task.renders_own_prompts,
-                            row_budget=task.row_budget if own and task.renders_own_prompts else None)
+                            row_budget=task.row_budget if own and task.renders_own_prompts else None,
+                            row_tokens=task.row_tokens if rows else None,
+                            row_lengths=task.row_lengths if rows else None,
+                            verifiable=not rows or task.verifiable)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ What happens to an example over a limit (`policy`):
 - `skip`: the example is dropped; one warning per split gives the count and the first few.
 - `truncate_left`: the question is shortened from its start until the example fits (the end of the
   question, next to the answer cue, is kept); an example whose other parts alone do not fit is dropped
-  and counted like a skip. One warning per split gives the counts.
+  and counted like a skip. One warning per split gives the counts. A data=chat row trains as written,
+  so nothing of it is shortened: over a limit, it is dropped and counted.
 """
 from __future__ import annotations
 
@@ -81,9 +82,13 @@ class LengthFittedTask:
         """(prompt tokens, full tokens) of each example: the student prompt, and the longest of prompt +
         solution + EOS and (with_teacher) the teacher prompt."""
         tok, task = self.tokenizer, self.task
-        prompts = prompt_lengths(tok, [task.prompt(ex) for ex in examples])
-        solutions = continuation_lengths(tok, [ex.solution for ex in examples])
-        full = [p + s + 1 for p, s in zip(prompts, solutions)]
+        rows = task_capabilities(task).row_lengths
+        if rows is not None:  # data=chat: its rows as written (a row's SFT tokens are the whole row)
+            prompts, full = (list(x) for x in zip(*(rows(ex) for ex in examples))) if examples else ([], [])
+        else:
+            prompts = prompt_lengths(tok, [task.prompt(ex) for ex in examples])
+            solutions = continuation_lengths(tok, [ex.solution for ex in examples])
+            full = [p + s + 1 for p, s in zip(prompts, solutions)]
         if self.limits.with_teacher:
             teachers = prompt_lengths(tok, [task.teacher_prompt(ex, ex.solution) for ex in examples])
             full = [max(f, t) for f, t in zip(full, teachers)]
@@ -105,6 +110,8 @@ class LengthFittedTask:
         word-boundary token."""
         size = lambda text: len(text.encode("utf-8")) + 2  # noqa: E731
         task = self.task
+        if task_capabilities(task).row_lengths is not None:  # rows are tokenized as written: measure them
+            return self.lengths(examples)
         prompts = [size(task.prompt(ex)) for ex in examples]
         full = [p + size(ex.solution) + 1 for p, ex in zip(prompts, examples)]
         if self.limits.with_teacher:
@@ -148,7 +155,10 @@ class LengthFittedTask:
         return kept
 
     def _truncate(self, ex: Example) -> Example | None:
-        """`ex` with the fewest characters cut from the start of its question that make it fit, or None."""
+        """`ex` with the fewest characters cut from the start of its question that make it fit, or None (always
+        for a task whose rows train as written)."""
+        if task_capabilities(self.task).row_lengths is not None:
+            return None
         def fits(cut: int) -> bool:
             short = dataclasses.replace(ex, question=ex.question[cut:])
             [p], [f] = self.lengths([short])

@@ -30,7 +30,7 @@ Conversational rows: a row without a string `question_field` may instead hold `m
 {"role", "content"} turns, a final assistant turn being the solution) or `prompt` as a list of turns
 with an optional `completion` (one assistant turn or a string). The last prompt turn must be the
 user's: it is the question; the turns before it become `Example.turns`, rendered before the prompt
-as plain text here and as turns by a chat template (`tasks/chat.py`).
+as plain text here and as turns by a chat template (`tasks/chat_template.py`).
 The verifier checks the final answer only (`steps_total == 0`).
 """
 from __future__ import annotations

@@ -20,7 +20,7 @@ TINY_MODEL = ["model=tiny_init", "model.hidden_size=64", "model.num_layers=2", "
 # Each task's tiny sizes (a run validates only its task's keys); data=text reads a test's own file.
 TINY_SIZES = ["data.n_train=512", "data.n_test=32"]
 TINY_DATA = {"arith": ["data.digits=2", "data.steps=1", *TINY_SIZES], "artifacts": TINY_SIZES, "clm": TINY_SIZES,
-             "text": []}
+             "text": [], "chat": []}
 TINY_DATA["multipath"] = TINY_DATA["arith"]
 TINY_TRAINER = [
     "trainer.batch_size=8", "trainer.micro_batch_size=4", "trainer.eval_every=1000", "trainer.eval_examples=8",

@@ -1,10 +1,13 @@
-"""Held-out accuracy via the inference engine (greedy), sharded over data-parallel ranks."""
+"""Held-out accuracy via the inference engine (greedy), and held-out loss on a task's own rows (data=chat),
+sharded over data-parallel ranks."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from algorithms.base import pad_right
+from algorithms.losses import token_logprobs
 from inference import EngineConfig, SamplingParams
 from inference.serving import ServeOptions, serve_model
 from models.prompts import prompt_ids
@@ -12,6 +15,7 @@ from trainer.distributed import World
 from tasks import task_capabilities
 
 EVAL_BATCH = 64
+LOSS_BATCH = 8  # rows per held-out loss forward (full-vocabulary logits of whole rows)
 
 
 def was_capped(completion: Any, max_new_tokens: int) -> bool:
@@ -79,3 +83,24 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequen
         out["path_differs"] = differs / max(n, 1)
         out["path_differs_correct"] = differs_full / max(full_marks, 1)
     return out
+
+
+def heldout_loss(model: torch.nn.Module, rows: Callable[[Any], tuple[list[int], list[int]]], examples: Sequence[Any],
+                 world: World, pad_id: int) -> dict[str, float]:
+    """Mean negative log-likelihood per loss token of `examples`' rows (`rows(ex)` -> ids, loss mask: the
+    task's SFT rows, TRL's `eval_loss`), this rank's share forwarded, the sums reduced over ranks.
+    Returns loss, loss_tokens and n."""
+    mine = list(examples)[world.rank :: world.size]
+    device = next(model.parameters()).device
+    nll = torch.zeros((), dtype=torch.float64)
+    tokens = 0
+    with torch.no_grad():
+        for start in range(0, len(mine), LOSS_BATCH):
+            chunk = [rows(ex) for ex in mine[start : start + LOSS_BATCH]]
+            ids, attn = pad_right([c[0] for c in chunk], pad_id, device)  # (B, T)
+            mask, _ = pad_right([c[1] for c in chunk], 0, device)  # (B, T)
+            logprobs = token_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids)  # (B, T)
+            nll -= (logprobs.double() * mask).sum().cpu()
+            tokens += int(mask.sum())
+    nll, tokens, n = world.all_reduce_sum(torch.tensor([nll.item(), tokens, len(mine)], dtype=torch.float64)).tolist()
+    return {"loss": nll / max(tokens, 1), "loss_tokens": int(tokens), "n": int(n)}

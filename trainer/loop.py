@@ -24,10 +24,11 @@ from inference import EngineConfig
 from models.anatomy import no_kv_cache
 from trainer import checkpoint
 from trainer.distributed import World
-from trainer.evaluation import evaluate
+from trainer.evaluation import evaluate, heldout_loss
 from trainer.precision import Precision
 from trainer.stream import PromptStream
 from trainer.tracking import Tracker
+from tasks import task_capabilities
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -106,7 +107,11 @@ def fit(s: Session) -> str:
             record.update(make_batch_s=make_batch_s, step_time_s=elapsed, tokens_per_s=record["tokens"] / elapsed)
             s.tracker.log(record)
             if s.step % t.eval_every == 0 or s.step == t.max_steps:
-                record["accuracy"] = run_eval(s)["accuracy"]
+                result = run_eval(s)
+                if "accuracy" in result:
+                    record["accuracy"] = result["accuracy"]
+                if "loss" in result:  # data=chat's held-out loss, beside the step's training loss
+                    record["eval_loss"] = result["loss"]
             s.tracker.progress(s.step, _shown(record))
             signalled = stop.agreed(s.world)
             if s.step % t.save_every == 0 or s.step == t.max_steps or signalled:
@@ -276,9 +281,16 @@ def _run_eval(s: Session) -> dict:
     serve = s.caps.eval_completions  # e.g. attuner: served over the position-independent cache
     generate = None if serve is None else (
         lambda chunk: serve(model, s.tokenizer, s.task, chunk, t.eval_max_new_tokens))
-    result = evaluate(model, s.tokenizer, s.task, examples, s.world, t.eval_max_new_tokens, engine_config=engine,
-                      generate=generate)
-    if s.cfg.algo.traits.needs_reference:
+    caps = task_capabilities(s.task)
+    result = {}
+    if caps.row_tokens is not None:  # data=chat: the loss on its held-out rows (TRL's eval_loss)
+        scored = [ex for ex in examples if ex.solution]  # prompt-only rows have no completion to score
+        if scored:
+            result = heldout_loss(model, caps.row_tokens, scored, s.world, s.tokenizer.pad_token_id)
+    if caps.verifiable:
+        result.update(evaluate(model, s.tokenizer, s.task, examples, s.world, t.eval_max_new_tokens,
+                               engine_config=engine, generate=generate))
+    if s.cfg.algo.traits.needs_reference and caps.verifiable:
         teacher = evaluate(model, s.tokenizer, s.task, examples, s.world, t.eval_max_new_tokens,
                            prompt=lambda ex: s.task.teacher_prompt(ex, ex.solution), engine_config=engine)
         result["teacher_accuracy"] = teacher["accuracy"]
@@ -329,5 +341,5 @@ def resume(s: Session, path: Optional[str]) -> None:
 
 
 def _shown(record: dict) -> dict:
-    keys = ("loss", "accuracy", "tokens_per_s")
+    keys = ("loss", "accuracy", "eval_loss", "tokens_per_s")
     return {k: record[k] for k in keys if k in record}

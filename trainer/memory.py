@@ -147,6 +147,8 @@ def _bounds(cfg, shape, task, examples) -> list[int]:
     """Cheap upper bounds of each example's longest row (a token covers at least one byte; +2 slack for
     a BOS and a word-boundary token, as tasks/lengths.py bounds lengths without tokenizing)."""
     size = lambda text: len(text.encode("utf-8")) + 2  # noqa: E731
+    if task_capabilities(task).row_lengths is not None:  # rows tokenized as written: measured, not bounded
+        return [n for n, _ in _row_lengths(cfg, shape, task, examples)]
     row_budget = task_capabilities(task).row_budget
     out = []
     for ex in examples:
@@ -162,6 +164,8 @@ def _lengths(cfg, shape, task, tokenizer, examples) -> list[tuple[int, str]]:
     build rows) and what ends it, before the cap at the model's positions."""
     from models.prompts import continuation_lengths, prompt_lengths
 
+    if task_capabilities(task).row_lengths is not None:
+        return _row_lengths(cfg, shape, task, examples)
     texts = [_row_texts(shape, task, ex) for ex in examples]
     flat = prompt_lengths(tokenizer, [t for row in texts for t in row])
     prompts, i = [], 0
@@ -176,6 +180,19 @@ def _lengths(cfg, shape, task, tokenizer, examples) -> list[tuple[int, str]]:
     for p, s, b in zip(prompts, solutions, budget):
         extra, kind = _completions(shape, cfg, s)
         out.append((p + b + extra, kind))
+    return out
+
+
+def _row_lengths(cfg, shape, task, examples) -> list[tuple[int, str]]:
+    """`_lengths` of a task that tokenizes its rows as written (data=chat): the whole row where the row is
+    the reference, the prompt + trainer.max_new_tokens where it is sampled."""
+    rows = task_capabilities(task).row_lengths
+    out = []
+    for ex in examples:
+        prompt, whole = rows(ex)
+        reference = whole if shape.completion in ("reference", "either") else -1
+        sampled = prompt + cfg.trainer.max_new_tokens if shape.completion in ("sampled", "either") else -1
+        out.append((reference, "reference") if reference >= sampled else (sampled, "rollout"))
     return out
 
 

@@ -23,7 +23,7 @@ from algorithms.base import Algorithm, Capabilities, capabilities
 from models.loading import build_tiny, load_pretrained
 from models.quant_export import is_compressed
 from tasks import DataError, TaskConfig, task_capabilities
-from tasks.chat import with_chat
+from tasks.chat_template import with_chat
 from tasks.lengths import LengthLimits, fit_lengths
 from trainer import checkpoint, default_model
 from trainer.backends import build_backend
@@ -75,6 +75,24 @@ def prompts_for(task, tokenizer, data: TaskConfig, world: World | None = None, p
     return fitted
 
 
+def check_heldout_rows(task) -> None:
+    """The task's typed declarations, checked once: a malformed one fails before any work. A task whose rows
+    train as written (data=chat) has its held-out rows with a completion tokenized now, as the eval's loss
+    reads them, so a bad row is one line before anything is written."""
+    rows = task_capabilities(task).row_tokens
+    if rows is None:
+        return
+    try:
+        examples = task.test_examples()
+    except DataError as err:
+        if "no test split" in str(err):  # a run without evals: eval says so where it asks
+            return
+        raise
+    for ex in examples:
+        if ex.solution:  # prompt-only rows have no completion to score
+            rows(ex)
+
+
 def model_positions(model) -> int | None:
     """The positions the model has (config.max_position_embeddings), or None when it does not say."""
     value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
@@ -116,7 +134,7 @@ def build_session(cfg: TrainConfig, world: World, model=None, tokenizer=None, ta
         model, tokenizer = load_model(cfg.model, world)
     task = prompts_for(task, tokenizer, cfg.data, world, model_positions(model),
                        with_teacher=cfg.algo.traits.needs_reference)
-    task_capabilities(task)  # the task's typed declarations, checked once: a malformed one fails before any work
+    check_heldout_rows(task)
     algo = build_algorithm(cfg.algo)
     caps = capabilities(algo)  # the contract, checked once; the loop never probes the algorithm
     if caps.check_task is not None:  # e.g. self-distillation needs reference solutions: fail before any work
@@ -241,7 +259,8 @@ def recorded_evals(output_dir: str) -> list[dict]:
             rows = [json.loads(line) for line in fh if line.strip()]
     except (OSError, ValueError):
         return []
-    return [r for r in rows if isinstance(r, dict) and r.get("split") == "eval" and "accuracy" in r]
+    return [r for r in rows if isinstance(r, dict) and r.get("split") == "eval"
+            and ("accuracy" in r or "loss" in r)]
 
 
 def set_aside_old_metrics(output_dir: str) -> Optional[str]:

@@ -43,7 +43,7 @@ def test_an_unregistered_task_is_unknown():
     from algorithms import config_schemas
     from trainer.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"^data=copy: no such option \(available: arith, artifacts, clm, multipath, "
+    with pytest.raises(ConfigError, match=r"^data=copy: no such option \(available: arith, artifacts, chat, clm, multipath, "
                                           r"text\)$"):
         load_config(["+algo=sft", "data=copy"], config_schemas())
 

@@ -1,238 +1,269 @@
-"""Chat templates and the one prompt-ids contract (models/prompts.py, tasks/chat.py, conversational rows).
+"""data=chat: rows in TRL's formats, read through `datasets`, tokenized as TRL's SFTTrainer tokenizes them.
 
-The independent truth is transformers' own `apply_chat_template` on the same messages, and
-hand-written id lists for the BOS rule."""
+The independent truth is TRL 1.16 itself: `SFTTrainer` prepares the same rows with the same tokenizer,
+and its `input_ids` and `labels` (-100 = not in the loss) must equal our ids and loss mask. On a
+template without `{% generation %}` markers (Qwen2.5's, shipped with TRL) TRL swaps in its own
+marked training template, so the agreement there checks our prefix-render method against TRL's
+hand-marked one."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
+import tempfile
+from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, processors
-from tokenizers.models import BPE
-from transformers import PreTrainedTokenizerFast
 
-from models.prompts import (
-    ChatTemplateError,
-    adds_bos,
-    chat_mode,
-    chat_parts,
-    continuation_ids,
-    prompt_ids,
-    render,
-    use_chat,
-)
-from models.tokenizer import CHARSET, build_char_tokenizer
-from tasks import DataError, build_task
-from tasks.chat import ChatTask, with_chat
+from models.tokenizer import build_char_tokenizer
+from tasks import DataError, task_config
+from tasks.chat import row_tokens, parse_row
+from tasks.chat_template import with_chat
 
-# A template over the char tokenizer's alphabet (no capitals): "<role>\ncontent\n" per turn, then the cue.
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>\n{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>\n{% endif %}")
-BOS_TEMPLATE = "{{ bos_token }}" + TEMPLATE  # a template that writes the BOS itself (as Llama 3's does)
+MARKED = ("{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}"
+          "{{ m['content'] }}<|im_end|>\n{% endgeneration %}{% else %}<|im_start|>{{ m['role'] }}\n"
+          "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# A template that writes every earlier assistant turn differently once a later turn follows (it drops the
+# previous reply's text), so renders of the prefixes are not prefixes of the conversation.
+NOT_PREFIX = ("{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}<|im_start|>assistant\n"
+              "<|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+CONVERSATIONS = [
+    {"messages": [{"role": "system", "content": "be kind."}, {"role": "user", "content": "hi"},
+                  {"role": "assistant", "content": "hello there"}, {"role": "user", "content": "bye"},
+                  {"role": "assistant", "content": "see you"}]},
+    {"messages": [{"role": "system", "content": "answer in one word."}, {"role": "user", "content": "sky?"},
+                  {"role": "assistant", "content": "blue"}]},
+]
+PROMPT_COMPLETION = [{"prompt": "the sky is", "completion": " blue."}, {"prompt": "grass is", "completion": " green."}]
+CONV_PROMPT_COMPLETION = [
+    {"prompt": [{"role": "system", "content": "be brief."}, {"role": "user", "content": "sky?"}],
+     "completion": [{"role": "assistant", "content": "blue"}]},
+    {"prompt": [{"role": "system", "content": "be brief."}, {"role": "user", "content": "grass?"}],
+     "completion": [{"role": "assistant", "content": "green"}]},
+]
+TEXTS = [{"text": "the sky is blue."}, {"text": "grass is green."}]
 
 
-def chat_tokenizer(template: str = TEMPLATE):
+def chatml_tokenizer(template: str | None = None):
+    """The char tokenizer plus ChatML's two special tokens, with `template` (default: Qwen2.5's, as TRL ships it)."""
+    import trl
+
     tok = build_char_tokenizer()
-    tok.chat_template = template
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = template or (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
     return tok
 
 
-def bos_tokenizer(template: str | None = None):
-    """The char alphabet plus a <bos> the tokenizer puts before plain text (a BOS-adding tokenizer)."""
-    vocab = {t: i for i, t in enumerate(("<pad>", "<eos>", "<unk>", "<bos>") + tuple(CHARSET))}
-    core = Tokenizer(BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    core.decoder = decoders.Fuse()
-    core.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
-                                                        special_tokens=[("<bos>", 3)])
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
-                                  bos_token="<bos>")
-    if template:
-        tok.chat_template = template
-    return tok
+def trl_rows(rows, tok, **config):
+    """TRL SFTTrainer's prepared (input_ids, loss mask) of `rows`."""
+    from datasets import Dataset
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    args = SFTConfig(output_dir=tempfile.mkdtemp(), report_to=[], max_length=None, use_cpu=True, **config)
+    trainer = SFTTrainer(model=Qwen3ForCausalLM(cfg), args=args, train_dataset=Dataset.from_list(rows),
+                         processing_class=tok)
+    return [(r["input_ids"], [int(x != -100) for x in r["labels"]]) for r in trainer.train_dataset]
 
 
-def ids_of(tok, text):
-    return [tok.convert_tokens_to_ids(c) for c in text]
-
-
-# ---------------------------------------------------------------------------------------------
-# The BOS rule
-
-
-def test_prompt_ids_put_exactly_one_bos_where_the_tokenizer_adds_one():
-    plain, bos = build_char_tokenizer(), bos_tokenizer()
-    assert not adds_bos(plain) and adds_bos(bos)
-    assert prompt_ids(plain, "ab") == ids_of(plain, "ab")  # no BOS token in this vocabulary
-    assert prompt_ids(bos, "ab") == [3] + ids_of(bos, "ab")
-    assert prompt_ids(bos, "<bos>ab") == [3] + ids_of(bos, "ab")  # a template that wrote it: not doubled
-    assert prompt_ids(bos, "") == [3]
-    assert continuation_ids(bos, "ab") == ids_of(bos, "ab")  # solutions and completions never get one
-
-
-@pytest.mark.parametrize("template", [TEMPLATE, BOS_TEMPLATE])
-def test_templated_prompt_ids_equal_transformers_apply_chat_template(template):
-    for tok in (chat_tokenizer(template), bos_tokenizer(template)):
-        messages = [{"role": "system", "content": "be brief."}, {"role": "user", "content": "q: 12+7?"}]
-        expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        text = render(tok, "q: 12+7?", (("system", "be brief."),), chat=True)
-        got = prompt_ids(tok, text)
-        if adds_bos(tok) and template == TEMPLATE:
-            # transformers renders without adding special tokens; our rule adds the BOS the tokenizer
-            # puts before plain text, once
-            assert got == [tok.bos_token_id] + list(expected)
-        else:
-            assert got == list(expected)
-        assert got.count(3 if adds_bos(tok) else -1) <= 1
-
-
-def test_chat_parts_cut_the_template_around_the_content():
-    tok = chat_tokenizer()
-    head, tail = chat_parts(tok, (("system", "hi"),))
-    assert head == "<system>\nhi\n<user>\n" and tail == "\n<assistant>\n"
-    assert head + "x y" + tail == render(tok, "x y", (("system", "hi"),), chat=True)
-
-
-def test_chat_mode_spellings_and_requirements():
-    assert [chat_mode(v) for v in ("auto", True, "True", "false", False, "yes", "off")] == \
-        ["auto", "true", "true", "false", "false", "true", "false"]
-    with pytest.raises(ValueError, match="maybe"):
-        chat_mode("maybe")
-    plain = build_char_tokenizer()
-    assert use_chat(chat_tokenizer(), "auto") and not use_chat(plain, "auto") and not use_chat(chat_tokenizer(), "false")
-    with pytest.raises(ChatTemplateError, match="no chat template"):
-        use_chat(plain, "true")
-
-
-# ---------------------------------------------------------------------------------------------
-# ChatTask
-
-
-def test_chat_task_renders_student_and_teacher_prompts_in_the_user_turn():
-    tok = chat_tokenizer()
-    arith = build_task("arith", seed=0, n_train=8, n_test=4, digits=2, steps=1)
-    task = with_chat(arith, tok, "auto")
-    assert isinstance(task, ChatTask)
-    ex = task.train_examples()[0]
-    assert task.prompt(ex) == "<user>\n" + arith.prompt(ex) + "\n<assistant>\n"
-    teacher = task.teacher_prompt(ex, ex.solution)
-    assert teacher == "<user>\n" + arith.teacher_prompt(ex, ex.solution) + "\n<assistant>\n"
-    assert ex.solution in teacher  # the privileged reference sits inside the user turn
-    # everything else is the wrapped task's
-    assert task.verify(ex, ex.solution).correct and task.mask_token == arith.mask_token
-    assert task.solution_spans(ex.solution) == arith.solution_spans(ex.solution)
-    assert not hasattr(task, "segments")  # arith has no artifacts, so neither has its chat view
-    assert with_chat(arith, build_char_tokenizer(), "auto") is arith
-    assert with_chat(arith, tok, "false") is arith
-
-
-def test_chat_task_segments_keep_text_equal_to_the_prompt():
-    tok = chat_tokenizer()
-    task = with_chat(build_task("artifacts", seed=0, n_train=8, n_test=4, n_library=40, n_library_ood=10), tok, "true")
-    ex = task.train_examples()[0]
-    seg = task.segments(ex)
-    assert seg.text() == task.prompt(ex) and seg.prefix.startswith("<user>\n") and seg.query.endswith("<assistant>\n")
-    assert seg.artifacts == ex.artifacts and len(seg.artifacts) > 0
-
-
-def test_clm_is_never_wrapped():
-    clm = build_task("clm", seed=0, n_train=2, n_test=2)
-    assert with_chat(clm, chat_tokenizer(), "auto") is clm
-    with pytest.raises(ChatTemplateError, match="own prompts"):
-        with_chat(clm, chat_tokenizer(), "true")
-
-
-# ---------------------------------------------------------------------------------------------
-# Conversational rows (data=text)
-
-
-def _write(path, rows):
+def ours(rows, tok, tmp_path, loss_on="assistant", chat_template="auto"):
+    path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+    task = with_chat(task_config("chat", path=str(path), loss_on=loss_on).build(), tok, chat_template)
+    return [task.row_tokens(ex) for ex in task.train_examples()]
 
 
-def test_conversational_rows_in_both_dataset_formats(tmp_path):
-    rows = [
-        {"messages": [{"role": "system", "content": "be brief."}, {"role": "user", "content": "what is 2+3?"},
-                      {"role": "assistant", "content": "2+3=5\n#### 5"}]},
-        {"prompt": [{"role": "user", "content": "what is 4+4?"}],
-         "completion": [{"role": "assistant", "content": "4+4=8. the answer is 8"}]},
-        {"prompt": [{"role": "user", "content": "what is 1+1?"}], "completion": "1+1=2 so 2"},
-        {"question": "plain 3+3?", "solution": "6", "answer": "6"},
-    ]
-    task = build_task("text", path=_write(tmp_path / "conv.jsonl", rows), test_fraction=0.25,
-                      prompt_template="{question}", teacher_template="{question} ref: {reference}")
-    examples = {ex.question: ex for ex in task.train_examples() + task.test_examples()}
-    first = examples["what is 2+3?"]
-    assert first.turns == (("system", "be brief."),) and first.solution == "2+3=5\n#### 5" and first.answer == "5"
-    second = examples["what is 4+4?"]
-    assert second.turns == () and second.answer == "8" and second.solution.endswith("#### 8")
-    assert examples["what is 1+1?"].answer == "2"
-    assert examples["plain 3+3?"].turns == ()
-    # without a template the earlier turns are plain text before the question
-    assert task.prompt(first) == "be brief.\nwhat is 2+3?"
-    assert task.teacher_prompt(first, "r") == "be brief.\nwhat is 2+3? ref: r"
-    # with one, the row's own messages rendered by transformers are the prompt
-    tok = chat_tokenizer()
-    chat = with_chat(task, tok, "true")
-    expected = tok.apply_chat_template(rows[0]["messages"][:-1], add_generation_prompt=True, tokenize=False)
-    assert chat.prompt(first) == expected
-    assert chat.segments(first).text() == expected
-
-
-@pytest.mark.parametrize("row, message", [
-    ({"messages": [{"role": "assistant", "content": "hi"}]}, "last prompt turn must be the user's"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "role 'wizard'"),
-    ({"messages": [{"role": "user", "content": ""}]}, "non-empty text content"),
-    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "non-empty text content"),
-    ({"prompt": [{"role": "user", "content": "q?"}],
-      "completion": [{"role": "user", "content": "x"}]}, "one assistant turn"),
-])
-def test_bad_conversational_rows_name_the_row(tmp_path, row, message):
-    good = {"question": "q?", "solution": "#### 1", "answer": "1"}
-    path = _write(tmp_path / "bad.jsonl", [good, row])
-    with pytest.raises(DataError, match=rf"bad.jsonl: row 2: .*{message}"):
-        build_task("text", path=path, test_fraction=0.5)
+def shown(tok, ids, mask):
+    """The loss tokens as text, the rest as '~' per token (a character outside the tokenizer's alphabet)."""
+    return "".join(tok.decode([i]) if m else "~" for i, m in zip(ids, mask))
 
 
 # ---------------------------------------------------------------------------------------------
-# One prompt-ids function: training, eval, rollouts and the CLI build the same ids
+# Equal to TRL
 
 
-@pytest.mark.parametrize("make_tok, chat", [(bos_tokenizer, False), (lambda: bos_tokenizer(TEMPLATE), True),
-                                             (lambda: chat_tokenizer(), True), (build_char_tokenizer, False)])
-def test_training_eval_rollouts_and_cli_build_identical_prompt_ids(make_tok, chat):
-    import torch
+def test_conversational_rows_equal_trl_assistant_only_loss_on_a_marked_template(tmp_path):
+    tok = chatml_tokenizer(MARKED)
+    assert ours(CONVERSATIONS, tok, tmp_path) == trl_rows(CONVERSATIONS, tok, assistant_only_loss=True)
 
-    import trainer.evaluation as evaluation
-    from algorithms.rollouts import encode_prompt
-    from algorithms.sft import SFT, SFTConfig
-    from algorithms.base import RolloutContext
-    from inference.__main__ import encode_cli_prompt
-    from trainer.distributed import World
 
-    tok = make_tok()
-    arith = build_task("arith", seed=0, n_train=8, n_test=4, digits=2, steps=1)
-    task = with_chat(arith, tok, "auto")
-    assert isinstance(task, ChatTask) == chat
-    examples = task.train_examples()[:3]
+def test_unmarked_template_masks_equal_trls_patched_template_but_the_cues_newline(tmp_path):
+    """Qwen2.5's template has no markers; TRL swaps in its hand-marked copy, whose generation block starts
+    at the newline of the assistant cue `<|im_start|>assistant\n`. That newline is part of the prompt at
+    inference (the cue is written, never generated), so the prefix renders leave it out: the one token
+    per reply by which the masks differ, and nothing else."""
+    tok = chatml_tokenizer()
+    newline = tok.convert_tokens_to_ids("\n")
+    for (ids, mask), (trl_ids, trl_mask) in zip(ours(CONVERSATIONS, tok, tmp_path),
+                                                 trl_rows(CONVERSATIONS, tok, assistant_only_loss=True)):
+        assert ids == trl_ids
+        differ = [i for i, (a, b) in enumerate(zip(mask, trl_mask)) if a != b]
+        replies = sum(m["role"] == "assistant" for m in CONVERSATIONS[0]["messages"]) if len(ids) > 60 else 1
+        assert len(differ) == replies
+        for i in differ:  # TRL trains the cue's newline; we do not; the token before it ends the cue
+            assert trl_mask[i] == 1 and mask[i] == 0 and ids[i] == newline
+            assert tok.decode(ids[i - 9:i]) == "assistant"
 
-    # training (SFT's rows: the prompt part)
-    batch = SFT(SFTConfig()).make_batch(examples, RolloutContext(task, tok, None, torch.device("cpu"), 8))
-    train_prompts = [row[:mask.tolist().index(1)] for row, mask in zip(batch.input_ids.tolist(), batch.loss_mask)]
 
-    # eval (what the engine is asked to complete)
-    seen = []
+def test_prompt_completion_rows_equal_trl_completion_only_loss(tmp_path):
+    tok = chatml_tokenizer()
+    for rows in (PROMPT_COMPLETION, CONV_PROMPT_COMPLETION):
+        got = ours(rows, tok, tmp_path)
+        assert got == trl_rows(rows, tok, completion_only_loss=True), shown(tok, *got[0])
 
-    class Recorder:
-        def generate(self, prompts, params):
-            seen.extend(prompts)
-            return [SimpleNamespace(tokens=[], finish_reason="stop") for _ in prompts]
 
-    evaluation.evaluate(None, tok, task, examples, World(), 4, engine=Recorder())
+def test_all_tokens_equal_trl_without_masking(tmp_path):
+    tok = chatml_tokenizer()
+    for rows in (CONVERSATIONS, PROMPT_COMPLETION, TEXTS):
+        assert ours(rows, tok, tmp_path, loss_on="all") == trl_rows(rows, tok, completion_only_loss=False)
 
-    rollouts = [encode_prompt(tok, task.prompt(ex)) for ex in examples]
-    cli = [encode_cli_prompt(tok, arith.prompt(ex), None) for ex in examples]  # the user types the plain prompt
-    assert train_prompts == seen == rollouts == cli
-    if adds_bos(tok):  # one BOS, first, whether the text or the tokenizer supplied it
-        assert all(p[0] == tok.bos_token_id and p.count(tok.bos_token_id) == 1 for p in cli)
+
+def test_text_rows_train_every_token_with_eos(tmp_path):
+    tok = chatml_tokenizer()
+    [(ids, mask)] = ours(TEXTS[:1], tok, tmp_path)
+    assert tok.decode(ids) == "the sky is blue.<eos>" and all(mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks, by hand
+
+
+def test_multi_turn_rows_mask_every_user_and_system_turn(tmp_path):
+    tok = chatml_tokenizer()
+    ids, mask = ours(CONVERSATIONS[:1], tok, tmp_path)[0]
+    # exactly the two replies, each with its end of turn; no system, user or generation-cue token
+    assert shown(tok, ids, mask).replace("~", "") == "hello there<|im_end|>\nsee you<|im_end|>\n"
+    trained = [tok.decode([i]) for i, m in zip(ids, mask) if m]
+    assert "<|im_start|>" not in trained
+
+
+def test_plain_rendering_without_a_template_masks_the_replies_and_their_eos(tmp_path):
+    tok = build_char_tokenizer()  # the embedded tiny model's tokenizer: no chat template
+    ids, mask = ours(CONVERSATIONS[:1], tok, tmp_path)[0]
+    assert tok.decode(ids) == "be kind.\nhi\nhello there\nbye\nsee you\n<eos>"
+    assert shown(tok, ids, mask) == "~" * len("be kind.\nhi\n") + "hello there\n" + "~" * len("bye\n") + "see you\n<eos>"
+
+
+def test_loss_on_completion_trains_only_the_trailing_reply(tmp_path):
+    tok = chatml_tokenizer()
+    ids, mask = ours(CONVERSATIONS[:1], tok, tmp_path, loss_on="completion")[0]
+    assert shown(tok, ids, mask).replace("~", "") == "see you<|im_end|>\n"
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_in_one_line(tmp_path):
+    tok = chatml_tokenizer(NOT_PREFIX)
+    with pytest.raises(DataError, match=r"rows.jsonl:1: the chat template does not render") as err:
+        ours(CONVERSATIONS[:1], tok, tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def test_prompts_are_the_rows_as_written_with_the_generation_cue(tmp_path):
+    tok = chatml_tokenizer(MARKED)
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in CONVERSATIONS))
+    task = with_chat(task_config("chat", path=str(path)).build(), tok, "auto")
+    first = task.train_examples()[0]
+    expected = tok.apply_chat_template(CONVERSATIONS[0]["messages"][:4], tokenize=False, add_generation_prompt=True)
+    assert task.prompt(first) == expected and first.solution == "see you"
+    assert "####" not in task.prompt(first) and first.answer == ""
+
+
+def test_string_prompts_are_never_templated(tmp_path):
+    tok = chatml_tokenizer(MARKED)
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in PROMPT_COMPLETION))
+    task = with_chat(task_config("chat", path=str(path)).build(), tok, "auto")
+    assert task.prompt(task.train_examples()[0]) == "the sky is"
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources
+
+
+def test_a_save_to_disk_set_with_two_configs_loads_the_one_hub_config_names(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    for config, word in (("main", "blue"), ("other", "red")):
+        rows = [{"prompt": f"q{i}", "completion": f" {word}"} for i in range(4)]
+        DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows[:2])}).save_to_disk(
+            str(tmp_path / config))
+    task = task_config("chat", path=str(tmp_path), hub_config="other").build()
+    assert [ex.solution for ex in task.train_examples()] == [" red"] * 4
+    assert len(task.test_examples()) == 2
+
+
+def test_split_slices_cut_files_and_saved_sets_alike(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    rows = [{"prompt": f"q{i}", "completion": f" a{i}"} for i in range(10)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    DatasetDict({"train": Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "saved"))
+    for source in (path, tmp_path / "saved"):
+        for split, expected in (("train[:30%]", ["q0", "q1", "q2"]), ("train[-2:]", ["q8", "q9"])):
+            task = task_config("chat", path=str(source), train_split=split).build()
+            assert [ex.question for ex in task.train_examples()] == expected
+
+
+def test_parquet_and_csv_files_read_like_jsonl(tmp_path):
+    from datasets import Dataset
+
+    Dataset.from_list(PROMPT_COMPLETION).to_parquet(str(tmp_path / "rows.parquet"))
+    Dataset.from_list(PROMPT_COMPLETION).to_csv(str(tmp_path / "rows.csv"), index=False)
+    for name in ("rows.parquet", "rows.csv"):
+        task = task_config("chat", path=str(tmp_path / name)).build()
+        assert [(ex.question, ex.solution) for ex in task.train_examples()] == [
+            (r["prompt"], r["completion"]) for r in PROMPT_COMPLETION]
+
+
+def test_every_column_of_a_row_is_kept_for_reward_functions(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "2+2?", "tests": ["assert f() == 4"], "level": 3}) + "\n")
+    [ex] = task_config("chat", path=str(path)).build().train_examples()
+    assert ex.columns == {"prompt": "2+2?", "tests": ["assert f() == 4"], "level": 3}
+    assert ex.row.format == "prompt" and ex.solution == ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one line naming the file and row
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]}],
+     r"rows.jsonl:1: 'messages' message 1 has role 'robot'"),
+    ([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]}, {"messages": None}],
+     r"rows.jsonl:2: 'messages' must be a non-empty list"),
+    ([{"prompt": "a", "completion": "b"}, {"prompt": None, "completion": "c"}], r"rows.jsonl:2: missing 'prompt'"),
+    ([{"question": "a"}], r"expected a 'messages', 'prompt' .* or 'text' column"),
+])
+def test_bad_rows_are_one_line_naming_the_row(rows, message, tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=message) as err:
+        task_config("chat", path=str(path)).build()
+    assert "\n" not in str(err.value)
+
+
+def test_a_conversation_without_an_assistant_turn_has_nothing_to_train(tmp_path):
+    with pytest.raises(DataError, match=r"rows.jsonl:1: no token is in the loss .*no assistant turn"):
+        ours([{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]}],
+             chatml_tokenizer(), tmp_path)
+
+
+def test_an_unreadable_file_is_one_line_naming_it(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "a", "completion": "b"}\n{not json\n')
+    with pytest.raises(DataError, match=r"rows.jsonl: could not read split 'train'") as err:
+        task_config("chat", path=str(path)).build()
+    assert "\n" not in str(err.value)
+
+
+def test_parse_row_keeps_the_trailing_assistant_turns_as_the_completion():
+    row = parse_row(CONVERSATIONS[0], "messages")
+    assert [m["role"] for m in row.prompt] == ["system", "user", "assistant", "user"]
+    assert [m["content"] for m in row.completion] == ["see you"]
+    with pytest.raises(DataError, match="prompt-only row has no completion"):
+        row_tokens(parse_row({"prompt": "a"}, "prompt"), build_char_tokenizer(), False, "assistant")

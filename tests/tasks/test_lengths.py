@@ -10,9 +10,9 @@ import pytest
 from models.prompts import continuation_ids, prompt_ids
 from models.tokenizer import build_char_tokenizer
 from tasks import DataError, build_task
-from tasks.chat import with_chat
+from tasks.chat_template import with_chat
 from tasks.lengths import LengthFittedTask, LengthLimits, fit_lengths
-from tests.tasks.test_chat import bos_tokenizer, chat_tokenizer
+from tests.tasks.test_chat_template import bos_tokenizer, chat_tokenizer
 
 TOK = build_char_tokenizer()
 

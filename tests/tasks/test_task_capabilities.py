@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tasks import ArithTask, ArtifactTask, ClmTask, MultiPathTask, task_capabilities
-from tasks.chat import with_chat
+from tasks.chat_template import with_chat
 
 
 def test_each_shipped_task_declares_what_it_has():
@@ -24,15 +24,15 @@ def test_each_shipped_task_declares_what_it_has():
 
 
 def test_a_chat_wrapped_task_keeps_its_capabilities():
-    from tests.tasks.test_chat import chat_tokenizer
-    from tasks.chat import ChatTask
+    from tests.tasks.test_chat_template import chat_tokenizer
+    from tasks.chat_template import TemplatedTask
 
     wrapped = with_chat(MultiPathTask(n_train=20, n_test=5), chat_tokenizer(), "true")
-    assert isinstance(wrapped, ChatTask)
+    assert isinstance(wrapped, TemplatedTask)
     caps = task_capabilities(wrapped)
     assert caps.several_paths and caps.solution_path is not None and caps.segments is None
     art = with_chat(ArtifactTask(n_train=40, n_test=5, n_library=60, n_library_ood=20), chat_tokenizer(), "true")
-    assert isinstance(art, ChatTask) and task_capabilities(art).segments is not None
+    assert isinstance(art, TemplatedTask) and task_capabilities(art).segments is not None
 
 
 def test_a_malformed_declaration_is_refused_by_name():

@@ -7,7 +7,7 @@ import pytest
 
 from models.loading import TinySpec, build_tiny
 from tests.conftest import tiny_config
-from tests.tasks.test_chat import TEMPLATE
+from tests.tasks.test_chat_template import TEMPLATE
 from trainer.config import ConfigError
 
 HF = ["model=hf", "data.digits=2", "data.steps=1", "data.n_train=64", "data.n_test=8"]
