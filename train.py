@@ -103,6 +103,8 @@ def accuracy_summary(evals: list[dict], extra: dict[str, str] | None = None) -> 
     if not evals:
         return "held-out accuracy: no evaluation ran"
     first, last = evals[0], evals[-1]
+    if "accuracy" not in first and "loss" not in first:
+        return "held-out: nothing to score (prompt-only rows without data.answer_field)"
     if "accuracy" not in first:  # data=chat without reference answers: the held-out loss is the figure
         return (f"held-out loss (n={last['n']}, {last['loss_tokens']} tokens): step {first['step']} "
                 f"{first['loss']:.4f} -> step {last['step']} {last['loss']:.4f}")

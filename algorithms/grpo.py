@@ -4,11 +4,12 @@ References read for the semantics (no code taken): TRL `GRPOTrainer._compute_los
 `core_algos.compute_grpo_outcome_advantage` / `agg_loss`. Per step, for each prompt:
 
 1. G = `num_generations` completions are sampled through the inference engine (`temperature`, `top_p`).
-2. Each is rewarded by the task's verifier (`reward_mode`: `steps` = right answer through fully right
-   working, the default; `answer`; `partial`), or by a user function `reward_fn` ("module:function",
-   called as fn(example, completion_text) -> float or None), plus `format_weight` when the
-   completion states a final answer the verifier can read. A None reward marks the sample invalid:
-   it is left out of its group's statistics and gets advantage 0 (counted in `grpo/reward_none`).
+2. Each is rewarded by the reward functions (`reward_funcs`, TRL's signature, called once per batch:
+   algorithms/rewards.py; default: the task's verifier alone, `reward_mode`: `steps` = right answer
+   through fully right working, the default; `answer`; `partial`), their weighted sum over the
+   functions that apply (`reward_weights`), plus `format_weight` when the completion states a final
+   answer the verifier can read. A completion no function applies to (all None) is invalid: it is
+   left out of its group's statistics and gets advantage 0 (counted in `grpo/reward_none`).
 3. Advantages `A = (r - mean_group) / (std + eps)`: std of the group (`scale_rewards=group`, unbiased),
    of the whole batch over all ranks (`batch`), or no division (`none`, Dr. GRPO). A group whose
    rewards are all equal, or with fewer than 2 valid samples (G = 1), gets A = 0 (`grpo/frac_zero_std`).
@@ -33,11 +34,9 @@ function of trainer/prompt_sharing.py.
 """
 from __future__ import annotations
 
-import importlib
-import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 from torch import nn
@@ -47,13 +46,14 @@ from algorithms.advantages import GroupRollouts, group_advantages
 from algorithms.base import (Batch, LossChunking, PolicyTerms, RolloutContext, RowShape, StepOutput, TokenLogprobs,
                              Traits)
 from algorithms.dynamic_sampling import DynamicSampling, ReferenceAndRetirementState, Retirement, fill_groups
+from algorithms.rewards import RewardFunctions, build_rewards, call_rewards, combine, reward_inputs, reward_metrics
 from algorithms.rollouts import encode_prompt, rollout_batch, sample
 from algorithms.losses import k3_kl
 from algorithms.scoring import policy_logprobs, scatter_tokens, student_features
 from algorithms.teacher import SelfTeacher
 from models.export import export_model
 from models.lora import LoRAOptions, train_all_or_lora
-from tasks import score
+from tasks import DataError, score, task_capabilities
 
 LOSS_TYPES = ("token-mean", "seq-mean-token-mean", "dr_grpo")
 
@@ -62,11 +62,12 @@ LOSS_TYPES = ("token-mean", "seq-mean-token-mean", "dr_grpo")
 class Scored:
     """One completion's reward and the verifier's verdicts."""
 
-    reward: float  # the training reward (0 when the reward function gave none)
-    valid: bool  # the reward function gave a value
+    reward: float  # the training reward (0 when no reward function gave one)
+    valid: bool  # some reward function gave a value
     correct: float  # the final answer is right
     steps: float  # right answer through right working
     has_answer: float  # states a final answer the verifier reads
+    per_func: tuple[float, ...] = ()  # each reward function's value (NaN: it gave None)
 
 
 @dataclass
@@ -84,13 +85,12 @@ DYNAMIC_METRICS = ("reward", "correct")
 
 
 @dataclass
-class GRPOConfig(LoRAOptions, LossChunking, DynamicSampling, GroupRollouts):
+class GRPOConfig(LoRAOptions, LossChunking, DynamicSampling, GroupRollouts, RewardFunctions):
     traits: ClassVar[Traits] = Traits(prompt_sharing=True, tiny_lr=3e-5, lora=True)
     name: str = "grpo"
     temperature: float = 1.0  # rollout temperature; the loss divides logits by it too
     top_p: float = 1.0
     reward_mode: str = "steps"  # answer | steps | partial (tasks.score)
-    reward_fn: Optional[str] = None  # "module:function" -> float | None, replaces the verifier reward
     format_weight: float = 0.0  # added when the completion states a final answer the verifier reads
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
@@ -121,22 +121,7 @@ class GRPOConfig(LoRAOptions, LossChunking, DynamicSampling, GroupRollouts):
         self.check_dynamic_sampling(self.dynamic_metric, DYNAMIC_METRICS)
         if self.logprob_batch_size <= 0:
             raise ValueError(f"algo.logprob_batch_size={self.logprob_batch_size} must be > 0")
-        if self.reward_fn is not None:
-            load_reward_fn(self.reward_fn)
-
-
-def load_reward_fn(spec: str) -> Callable[[Any, str], Optional[float]]:
-    """"package.module:function" -> the function; ValueError naming the spec when it cannot be imported."""
-    module, sep, name = spec.partition(":")
-    if not sep or not module or not name:
-        raise ValueError(f"algo.reward_fn={spec!r} must look like 'package.module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"algo.reward_fn={spec!r} cannot be loaded: {err}") from err
-    if not callable(fn):
-        raise ValueError(f"algo.reward_fn={spec!r} is not callable")
-    return fn
+        self.check_reward_funcs()
 
 
 class GRPO(ReferenceAndRetirementState):
@@ -145,7 +130,7 @@ class GRPO(ReferenceAndRetirementState):
     def __init__(self, cfg: GRPOConfig):
         self.cfg = cfg
         self.shared_logprobs: Optional[TokenLogprobs] = None  # trainer.prompt_sharing: see share_prompts
-        self.reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else None
+        self.rewards = build_rewards(cfg)  # RewardError (exit 3) when a function cannot be loaded
         self.reference = SelfTeacher("fixed", 0.0)  # the starting weights, for the KL term
         self._reuse: Optional[Batch] = None  # the generated batch while it serves num_iterations steps
         self._iteration = 0
@@ -173,6 +158,21 @@ class GRPO(ReferenceAndRetirementState):
     def row_shape(self) -> RowShape:
         """The student prompt + a sampled completion of at most trainer.max_new_tokens."""
         return RowShape("sampled")
+
+    def check_task(self, task: Any) -> None:
+        """A task without reference answers (data=chat without data.answer_field) has no verifier: the reward
+        comes from algo.reward_funcs, and nothing may read the verifier's verdicts."""
+        if task_capabilities(task).verifiable:
+            return
+        c = self.cfg
+        why = ("the reward is the verifier's (algo.reward_funcs unset or naming 'verifier')"
+               if any(r.fn is None for r in self.rewards) else
+               "algo.dynamic_metric=correct reads it" if c.dynamic_sampling and c.dynamic_metric == "correct" else
+               "algo.retire_after reads its verdicts" if c.retire_after > 0 else
+               "algo.format_weight reads its answers" if c.format_weight else None)
+        if why is not None:
+            raise DataError(f"data={task.name} has no verifier without data.answer_field, but {why}: give "
+                            "algo.reward_funcs=[module:function,...] or data.answer_field")
 
     # --- rollouts -------------------------------------------------------------------------------
 
@@ -259,20 +259,22 @@ class GRPO(ReferenceAndRetirementState):
         """Each completion's reward (None-safe: `valid` False when the reward function gave none) and the
         verifier's verdicts, for completions paired with their examples."""
         c = self.cfg
+        texts = [tok.decode(o.tokens, skip_special_tokens=True) for o in outs]
+        verified = task_capabilities(task).verifiable
+        results = [task.verify(ex, text) for ex, text in zip(examples, texts)] if verified else None
+        table = call_rewards(self.rewards, reward_inputs(task, examples, texts, [o.tokens for o in outs]),
+                             [ex.uid for ex in examples],
+                             [score(r, c.reward_mode) for r in results] if verified else None)  # (N, F)
+        totals, valid = combine(table, self.rewards)
         out = []
-        for ex, o in zip(examples, outs):
-            text = tok.decode(o.tokens, skip_special_tokens=True)
-            result = task.verify(ex, text)
-            value = self.reward_fn(ex, text) if self.reward_fn is not None else score(result, c.reward_mode)
-            has_answer = result.answer is not None
-            if value is not None and not math.isfinite(float(value)):
-                value = None
-            out.append(Scored((float(value) if value is not None else 0.0) + c.format_weight * has_answer,
-                              value is not None, float(result.correct), score(result, "steps"), float(has_answer)))
+        for i, (total, ok) in enumerate(zip(totals.tolist(), valid.tolist())):
+            r = results[i] if verified else None
+            has_answer = r is not None and r.answer is not None
+            out.append(Scored(total + c.format_weight * has_answer, ok, float(r.correct) if r else 0.0,
+                              score(r, "steps") if r else 0.0, float(has_answer), tuple(table[i].tolist())))
         return out
 
-    @staticmethod
-    def reward_metrics(scored: Sequence["Scored"]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def reward_metrics(self, scored: Sequence["Scored"]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         valid_t = torch.tensor([s.valid for s in scored], dtype=torch.bool)
         rewards_t = torch.tensor([s.reward for s in scored])
         n_valid = valid_t.sum().clamp(min=1)
@@ -281,6 +283,9 @@ class GRPO(ReferenceAndRetirementState):
                    "grpo/answer_correct": torch.tensor([s.correct for s in scored]).mean(),
                    "grpo/steps_correct": torch.tensor([s.steps for s in scored]).mean(),
                    "grpo/has_answer": torch.tensor([s.has_answer for s in scored]).mean()}
+        if scored and scored[0].per_func:
+            metrics.update(reward_metrics(torch.tensor([s.per_func for s in scored], dtype=torch.float64),
+                                          self.rewards))
         return rewards_t, valid_t, metrics
 
     # --- loss -----------------------------------------------------------------------------------

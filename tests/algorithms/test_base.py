@@ -45,7 +45,7 @@ def test_capabilities_are_resolved_from_the_typed_protocols():
     assert {n for n, c in caps.items() if c.extra_eval is not None} == {"seed", "skipper", "attuner"}
     assert {n for n, c in caps.items() if c.eval_completions is not None} == {"attuner", "clm"}
     assert {n for n, c in caps.items() if c.check_task is not None} == {"opsd", "mass", "tesd", "attuner", "clm",
-                                                                          "sft"}
+                                                                          "sft", "grpo"}
     assert caps["grpo"].rows_per_prompt == 8 and caps["tesd"].rows_per_prompt == 5 and caps["sft"].rows_per_prompt == 1
     assert caps["seed"].summary_metrics == {"seed/mean_accepted": "mean accepted length (greedy, tokens per verify forward)"}
     assert {n for n, (cfg, _) in REGISTRY.items() if cfg.traits.needs_reference} == {"opsd", "mass", "tesd"}

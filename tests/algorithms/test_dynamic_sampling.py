@@ -123,11 +123,10 @@ def test_dynamic_keys_are_checked():
         GRPOConfig(dynamic_metric="acc").validate()
 
 
-def spread_on_rank_zero_slices(example, completion):
-    """A reward for the torchrun test: spread (0 / 1 by completion length) only for questions whose
-    index is a multiple of 4, so each rank's slices hold a different number of them."""
-    index = int(example.uid.rsplit("-", 1)[-1]) if example.uid.rsplit("-", 1)[-1].isdigit() else hash(example.uid)
-    return float(len(completion) % 2) if index % 4 == 0 else 0.0
+def spread_on_rank_zero_slices(prompts, completions, completion_ids, question, **columns):
+    """A reward for the torchrun test (TRL's signature): spread (0 / 1 by completion length) only for
+    questions whose character sum is a multiple of 4, so each rank's slices hold a different number of them."""
+    return [float(len(c) % 2) if sum(map(ord, q)) % 4 == 0 else 0.0 for q, c in zip(question, completions)]
 
 
 @pytest.mark.slow  # one 2-rank torchrun run: ~30 s
@@ -137,7 +136,7 @@ def test_two_ranks_stay_in_step_when_one_needs_more_rounds(tmp_path, subprocess_
            *tiny_overrides(out, "trainer.max_steps=3", "trainer.max_new_tokens=12", "algo.num_generations=4",
                            "algo.dynamic_sampling=true", "algo.dynamic_max_rounds=5", "algo.dynamic_metric=reward",
                            "algo.retire_after=2",
-                           "algo.reward_fn=test_dynamic_sampling:spread_on_rank_zero_slices", algo="grpo")]
+                           "algo.reward_funcs=[test_dynamic_sampling:spread_on_rank_zero_slices]", algo="grpo")]
     env = dict(subprocess_env, PYTHONPATH=f"{ROOT / 'tests' / 'algorithms'}:{subprocess_env['PYTHONPATH']}")
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -232,8 +232,8 @@ def test_kl_reference_is_the_starting_weights():
     assert algo.loss(model, batch2, batch2.num_targets().float()).metrics["grpo/kl"].item() > 1e-4
 
 
-def none_for_odd(example, completion):  # a user reward function: None = cannot judge
-    return None if int(example.uid.rsplit("-", 1)[1]) % 2 else float(len(completion) % 2)
+def none_for_odd(prompts, completions, completion_ids, question, **columns):  # None = cannot judge
+    return [None if sum(map(ord, q)) % 2 else float(len(c) % 2) for q, c in zip(question, completions)]
 
 
 def test_bad_inputs_give_zero_advantage_never_nan():
@@ -241,9 +241,10 @@ def test_bad_inputs_give_zero_advantage_never_nan():
     task = arith()
     examples = task.train_examples()[:4]
     # reward function returning None for half the prompts -> those rows get A = 0, logged
-    algo = GRPO(GRPOConfig(num_generations=3, reward_fn="test_grpo:none_for_odd"))
+    algo = GRPO(GRPOConfig(num_generations=3, reward_funcs=["test_grpo:none_for_odd"]))
     batch = algo.make_batch(examples, ctx(model, tok, task))
-    odd = torch.tensor([int(ex.uid.rsplit("-", 1)[1]) % 2 == 1 for ex in examples]).repeat_interleave(3)
+    odd = torch.tensor([sum(map(ord, ex.question)) % 2 == 1 for ex in examples]).repeat_interleave(3)
+    assert 0 < odd.sum() < len(odd)
     assert (batch.policy.advantages[odd] == 0).all() and batch.metrics["grpo/reward_none"].item() == odd.float().mean()
     # empty completions (a row with no completion token) and all-equal rewards
     batch.loss_mask[0] = 0
@@ -273,8 +274,8 @@ def test_group_of_one_warns_and_has_no_signal():
     ("loss_type", "sum", "algo.loss_type=sum is not one of"),
     ("scale_rewards", "rank", "algo.scale_rewards=rank"),
     ("num_generations", 0, "algo.num_generations=0"),
-    ("reward_fn", "nomodule_xyz:f", "algo.reward_fn='nomodule_xyz:f' cannot be loaded"),
-    ("reward_fn", "justaname", "must look like 'package.module:function'"),
+    ("reward_funcs", ["justaname"], "algo.reward_funcs: 'justaname' must look like 'package.module:function'"),
+    ("reward_weights", [1.0, 2.0], "algo.reward_weights has 2 values for 1 reward function"),
 ])
 def test_config_errors_name_the_key(key, value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
@@ -286,13 +287,13 @@ def test_two_steps_change_every_parameter():
 
     model, tok = tiny()
     task = arith(steps=1)
-    algo = GRPO(GRPOConfig(num_generations=4, reward_fn="test_grpo:length_reward"))
+    algo = GRPO(GRPOConfig(num_generations=4, reward_funcs=["test_grpo:length_reward"]))
     unchanged, _ = two_steps_change_every_trainable_parameter(algo, model, tok, task)
     assert unchanged == []
 
 
-def length_reward(example, completion):  # dense reward so a random-init model gets a signal
-    return float(len(completion))
+def length_reward(prompts, completions, completion_ids, **columns):  # dense: a random-init model gets a signal
+    return [float(len(c)) for c in completions]
 
 
 def test_prompt_sharing_gives_the_same_loss_and_gradients():

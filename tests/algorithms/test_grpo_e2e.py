@@ -23,7 +23,7 @@ def test_torchrun_two_ranks_end_to_end(tmp_path, subprocess_env, extra):
     # a dense reward (the completion's length), so the random-init model's groups have spread and every
     # step trains (with the verifier's reward it scores 0 everywhere and every step is empty: skipped)
     out = tmp_path / "run"
-    lines = torchrun_train(out, subprocess_env, *GRPO, *extra, "algo.reward_fn=tests.rewards:length_reward",
+    lines = torchrun_train(out, subprocess_env, *GRPO, *extra, "algo.reward_funcs=[tests.rewards:length_reward]",
                            algo="grpo")[:-1]
     train = [x for x in lines if x["split"] == "train"]
     assert [x["step"] for x in train] == [1, 2]
@@ -57,3 +57,23 @@ def test_resume_on_two_ranks_continues_each_ranks_rollout_stream(tmp_path, subpr
     assert sorted(resumed) == [1, 2, 3, 4]
     for step in (3, 4):
         assert resumed[step] == pytest.approx(whole[step], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow  # one 2-rank torchrun run: ~30 s
+def test_a_trl_style_reward_reading_a_column_on_two_ranks_with_dynamic_sampling(tmp_path, subprocess_env):
+    """data=chat prompt-only rows with a `target` column; the reward function reads it (TRL's signature), runs on
+    each rank's completions, and its mean is logged as rewards/NAME/mean."""
+    import json
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"say {w}", "target": w}) + "\n"
+                            for w in ("ab", "cd", "ef", "gh", "ij", "kl", "mn", "op")))
+    out = tmp_path / "run"
+    lines = torchrun_train(out, subprocess_env, *GRPO, "data=chat", f"data.path={data}", "data.test_fraction=0.25",
+                           "algo.reward_funcs=[tests.rewards:target_reward]", "algo.dynamic_sampling=true",
+                           algo="grpo")
+    train = [x for x in lines if x["split"] == "train"]
+    assert [x["step"] for x in train] == [1, 2]
+    for x in train:
+        assert x["rewards/target_reward/mean"] > 0 and "rewards/target_reward/std" in x
+        assert x["rollout/reward"] == pytest.approx(x["rewards/target_reward/mean"], rel=1e-5)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 GRPO = ["trainer.max_new_tokens=24", "trainer.max_steps=2", "trainer.batch_size=4", "trainer.micro_batch_size=4",
         "algo.num_generations=4", "trainer.resume=never",
-        "algo.reward_fn=tests.rewards:length_reward"]  # a dense reward: the random model's steps train
+        "algo.reward_funcs=[tests.rewards:length_reward]"]  # a dense reward: the random model's steps train
 SFT = ["trainer.max_steps=2", "trainer.resume=never"]
 CASES = {  # name -> (algo, overrides)
     "sft": ("sft", SFT),
