@@ -73,6 +73,7 @@ from algorithms.rollouts import completion_mask, training_completions
 from algorithms.scoring import detached_head, predicting, sliced_final_hidden
 from inference.artifacts import ATTUNER_FILE
 from models.anatomy import UnsupportedModel, causal_lm, output_head, unwrap
+from models.prompts import generation_eos, stop_ids
 from models.query_adapter import (
     QUERY_PROJECTIONS, adapter_disabled, apply_query_lora, check_query_only, shape_fingerprint, trainable_fraction,
 )
@@ -247,7 +248,8 @@ class Attuner:
         from inference.pic import PICConfig, PICServer
         from inference.sampling import SamplingParams
 
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
+                                stop_token_ids=stop_ids(tokenizer, generation_eos(model)))
         server = PICServer(unwrap(model), tokenizer, PICConfig(mode=mode), adapter=adapter)
         return [c.tokens for c in server.generate([task.segments(ex) for ex in examples], params)]
 

@@ -43,6 +43,7 @@ from algorithms.scoring import policy_logprobs, scatter_tokens, student_features
 from algorithms.teacher import SelfTeacher
 from models.export import export_model
 from models.lora import LoRAOptions, train_all_or_lora
+from models.prompts import generation_eos, stop_ids
 from tasks import DataError
 from tasks.clm import ClmTask, ContextEnv, Episode, EpisodeError
 
@@ -325,7 +326,7 @@ class CLM(ReferenceAndRetirementState):
 
         c, g, tok = self.cfg, self.cfg.num_generations, ctx.tokenizer
         params = SamplingParams(max_new_tokens=ctx.max_new_tokens, temperature=c.temperature, top_p=c.top_p,
-                                stop_token_ids=(tok.eos_token_id,))
+                                stop_token_ids=ctx.engine.stop_ids)
         engine = self.engine(ctx.policy, ctx.engine_config)
 
         def play(exs: Sequence[Any]) -> list[Any]:
@@ -425,7 +426,7 @@ class CLM(ReferenceAndRetirementState):
         from inference import SamplingParams
 
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
-                                stop_token_ids=(tokenizer.eos_token_id,))
+                                stop_token_ids=stop_ids(tokenizer, generation_eos(model)))
         trajs = play_episodes(self.engine(model), tokenizer, task, examples, params, self.cfg.max_calls,
                               self.cfg.budget)
         return [list(t.calls[-1].completion.tokens) if t.outcome == "answered" else [] for t in trajs]

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from algorithms.base import Batch, RolloutContext, pad_right
-from models.prompts import continuation_ids, prompt_ids
+from models.prompts import continuation_ids, prompt_ids, stop_ids
 from tasks import DataError
 
 
@@ -28,11 +28,12 @@ def encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def sample(ctx: RolloutContext, prompts: list[list[int]], temperature: float, top_p: float) -> list[Any]:
-    """On-policy completions through the engine (stop at EOS)."""
+    """On-policy completions through the engine, stopping on the model's stop ids (its EOS, its
+    generation_config's and its chat template's end of turn: models.prompts.stop_ids)."""
     from inference import SamplingParams
 
     params = SamplingParams(max_new_tokens=ctx.max_new_tokens, temperature=temperature, top_p=top_p,
-                            stop_token_ids=(ctx.tokenizer.eos_token_id,))
+                            stop_token_ids=ctx.engine.stop_ids)
     completions = ctx.engine.generate(prompts, params, generator=ctx.generator)
     capped = sum(c.finish_reason == "length" and len(c.tokens) < ctx.max_new_tokens for c in completions)
     if capped:
@@ -90,5 +91,5 @@ def training_completions(source: str, examples: Sequence[Any], prompts: list[lis
         return [encode(tok, ex.solution) + [tok.eos_token_id] for ex in examples]
     from inference import SamplingParams
 
-    params = SamplingParams(max_new_tokens=ctx.max_new_tokens, temperature=0.0, stop_token_ids=(tok.eos_token_id,))
+    params = SamplingParams(max_new_tokens=ctx.max_new_tokens, temperature=0.0, stop_token_ids=stop_ids(tok))
     return [list(o.tokens) for o in generate(prompts, params)]

@@ -60,6 +60,7 @@ from inference.artifacts import DRAFTER_DEFAULTS as DRAFTER, SEED_DRAFTER_FILE, 
 from inference.lean import lean_unsupported_reason
 from models.anatomy import UnsupportedModel, causal_lm, decoder_layers as decoder_layers_of, final_hidden, output_head
 from models.export import export_model
+from models.prompts import generation_eos, stop_ids
 
 log = logging.getLogger(__name__)
 
@@ -373,7 +374,7 @@ class SEED:
                                      adaptive=self.cfg.adaptive)
             prompts = [encode_prompt(tokenizer, task.prompt(ex)) for ex in examples]
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
-                                    stop_token_ids=(tokenizer.eos_token_id,))
+                                    stop_token_ids=stop_ids(tokenizer, generation_eos(lm)))
             _, stats = dec.generate(prompts, params)
         finally:
             lm.train(was_training)

@@ -61,6 +61,7 @@ from algorithms.base import (Batch, LossChunking, RolloutContext, StepOutput, Te
 from algorithms.rollouts import completion_mask, encode_prompt, training_completions
 from algorithms.scoring import detached_head, predicting, sliced_final_hidden, student_features
 from models.anatomy import causal_lm, decoder_layers, final_hidden
+from models.prompts import generation_eos, stop_ids
 from models.skipper import (
     GATES, SKIPPER_DIR, apply_skipper, base_state_dict, check_layers, check_supported, decisions, forced, make_spec,
     record_gates, save_skipper, skipper_parameters, skipper_state,
@@ -242,7 +243,8 @@ class Skipper:
         lm = causal_lm(model)
         device = next(lm.parameters()).device
         prompts = [encode_prompt(tokenizer, task.prompt(ex)) for ex in examples]
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
+                                stop_token_ids=stop_ids(tokenizer, generation_eos(lm)))
         was_training = lm.training
         lm.eval()
         try:

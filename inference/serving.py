@@ -109,14 +109,19 @@ def manifest_of(path: str | os.PathLike) -> ServingManifest:
 
 
 def _tokenizer_facts(path: str) -> tuple[tuple[int, ...], int | None]:
+    """(stop ids, vocabulary size) of the export's tokenizer: its EOS, the ids of generation_config.json's
+    eos_token_id and the chat template's end of turn (models.prompts.stop_ids)."""
     from transformers import AutoTokenizer
+
+    from models.prompts import stop_ids
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):
         return (), None
-    eos = tokenizer.eos_token_id
-    return ((eos,) if eos is not None else ()), len(tokenizer)
+    generation = os.path.join(path, "generation_config.json")
+    eos = _read_json(generation).get("eos_token_id") if os.path.exists(generation) else None
+    return stop_ids(tokenizer, eos), len(tokenizer)
 
 
 def _read_json(file: str) -> dict:
@@ -249,8 +254,9 @@ class Server:
     def stop_ids(self) -> tuple[int, ...]:
         if self.manifest is not None:
             return self.manifest.stop_ids
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        return (eos,) if eos is not None else ()
+        from models.prompts import generation_eos, stop_ids
+
+        return stop_ids(self.tokenizer, generation_eos(self.model)) if self.tokenizer is not None else ()
 
     def params(self, **fields: Any) -> SamplingParams:
         """SamplingParams stopping at the export's stop ids (unless `stop_token_ids` is given)."""

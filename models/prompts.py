@@ -80,6 +80,43 @@ def chat_parts(tokenizer: Any, turns: Sequence[Turn] = ()) -> tuple[str, str]:
     return head, tail
 
 
+def end_of_turn_id(tokenizer: Any) -> int | None:
+    """The id the chat template ends an assistant turn with, when that is one special token (ChatML's
+    `<|im_end|>`, Llama 3's `<|eot_id|>`); None without a template or when its turn ends in plain text."""
+    if not has_chat_template(tokenizer):
+        return None
+    turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
+    try:
+        text = tokenizer.apply_chat_template(turns, tokenize=False)
+    except Exception:  # a template that refuses this conversation (roles, a required system turn): no end of turn known
+        return None
+    if not isinstance(text, str) or text.count(_SENTINEL) != 1:
+        return None
+    ids = tokenizer(text.split(_SENTINEL)[1], add_special_tokens=False).input_ids
+    if not ids:
+        return None
+    added = getattr(tokenizer, "added_tokens_decoder", {}).get(ids[0])
+    special = ids[0] in set(tokenizer.all_special_ids) or bool(getattr(added, "special", False))
+    return ids[0] if special else None
+
+
+def generation_eos(model: Any) -> Any:
+    """A model's `generation_config.eos_token_id` (an id, a list of ids, or None)."""
+    return getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+
+
+def stop_ids(tokenizer: Any, eos: Any = None) -> tuple[int, ...]:
+    """Every id generation stops on: the tokenizer's EOS, `eos` (a model's generation_config.eos_token_id:
+    an id or a list; `generation_eos`), and the chat template's end of turn. Rollouts, evals and serving
+    all stop on this set, so a model whose end of turn is not its tokenizer's EOS stops at the turn's end."""
+    found: list[int] = []
+    for value in (getattr(tokenizer, "eos_token_id", None), eos, end_of_turn_id(tokenizer)):
+        for i in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(i, int) and i >= 0 and i not in found:
+                found.append(i)
+    return tuple(found)
+
+
 def adds_bos(tokenizer: Any) -> bool:
     """Whether the tokenizer puts a BOS token before plain text by default."""
     bos = getattr(tokenizer, "bos_token_id", None)

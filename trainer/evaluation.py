@@ -10,7 +10,7 @@ from algorithms.base import pad_right
 from algorithms.losses import token_logprobs
 from inference import EngineConfig, SamplingParams
 from inference.serving import ServeOptions, serve_model
-from models.prompts import prompt_ids
+from models.prompts import generation_eos, prompt_ids, stop_ids
 from trainer.distributed import World
 from tasks import task_capabilities
 
@@ -47,7 +47,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequen
     if generate is None and engine is None:  # the model behind the serving door, as rollouts decode
         engine = serve_model(model, ServeOptions(engine=engine_config or EngineConfig()), tokenizer)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
-                            stop_token_ids=(tokenizer.eos_token_id,))
+                            stop_token_ids=stop_ids(tokenizer, generation_eos(model)))
     correct = steps_ok = steps_total = differs = full_marks = differs_full = capped = 0
     paths = task_capabilities(task).solution_path is not None
     for start in range(0, len(mine), EVAL_BATCH):
