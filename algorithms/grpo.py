@@ -160,8 +160,8 @@ class GRPO(ReferenceAndRetirementState):
         return RowShape("sampled")
 
     def check_task(self, task: Any) -> None:
-        """A task without reference answers (data=chat without data.answer_field) has no verifier: the reward
-        comes from algo.reward_funcs, and nothing may read the verifier's verdicts."""
+        """A task without reference answers (data=chat without data.answer_field, data=text rows with none) has
+        no verifier: the reward comes from algo.reward_funcs, and nothing may read the verifier's verdicts."""
         if task_capabilities(task).verifiable:
             return
         c = self.cfg
@@ -171,8 +171,8 @@ class GRPO(ReferenceAndRetirementState):
                "algo.retire_after reads its verdicts" if c.retire_after > 0 else
                "algo.format_weight reads its answers" if c.format_weight else None)
         if why is not None:
-            raise DataError(f"data={task.name} has no verifier without data.answer_field, but {why}: give "
-                            "algo.reward_funcs=[module:function,...] or data.answer_field")
+            raise DataError(f"data={task.name}: its rows have no reference answers to verify, but {why}: give "
+                            "algo.reward_funcs=[module:function,...] or answers (data.answer_field)")
 
     # --- rollouts -------------------------------------------------------------------------------
 

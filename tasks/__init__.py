@@ -46,6 +46,7 @@ from tasks.base import (
     Task,
     TaskCapabilities,
     TaskConfig,
+    MayLackAnswers,
     TokenizesRows,
     VerifyResult,
     answers_equal,
@@ -90,7 +91,7 @@ def task_config(name: str, **values: Any) -> TaskConfig:
 
 
 __all__ = [
-    "Action", "answers_equal", "ArithConfig", "ChatConfig", "ChatTask", "TokenizesRows", "ArithTask", "ArtifactsConfig", "ArtifactTask", "build_task",
+    "Action", "answers_equal", "ArithConfig", "ChatConfig", "ChatTask", "MayLackAnswers", "TokenizesRows", "ArithTask", "ArtifactsConfig", "ArtifactTask", "build_task",
     "ClmConfig", "ClmTask", "ContextEnv", "ContextFile", "ContextFormat", "DataError", "Episode", "EpisodeError",
     "Example", "extract_answer", "HasArtifacts", "HasSolutionPaths", "kind_of", "mask_spans", "MultiPathConfig",
     "MultiPathTask", "parse_action", "PRESETS", "PromptTemplates", "RendersOwnPrompts", "score", "scripted_output",

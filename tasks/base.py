@@ -204,12 +204,19 @@ class RendersOwnPrompts(Protocol):
 
 
 @runtime_checkable
+class MayLackAnswers(Protocol):
+    """A task of user data whose rows may have no reference answer (data=chat without data.answer_field,
+    data=text rows without one): `verifiable` says whether `verify` means anything for every example.
+    Without it the eval reports no accuracy and a verifier reward is refused before any work."""
+
+    verifiable: bool
+
+
+@runtime_checkable
 class TokenizesRows(Protocol):
     """A task whose rows train as written (data=chat): bound to the run's tokenizer (`bind`, with `chat`
     saying whether its chat template renders conversational rows), it gives each example's SFT row as
-    (ids, loss mask); `verifiable` says whether `verify` means anything (reference answers exist)."""
-
-    verifiable: bool
+    (ids, loss mask) and its lengths."""
 
     def bind(self, tokenizer: Any, chat: bool) -> Any: ...
     def row_tokens(self, example: Example) -> tuple[list[int], list[int]]: ...
@@ -228,7 +235,7 @@ class TaskCapabilities:
     row_budget: Optional[Callable[[Example], int]] = None  # RendersOwnPrompts: tokens a row grows up to
     row_tokens: Optional[Callable[[Example], tuple[list[int], list[int]]]] = None  # TokenizesRows: (ids, mask)
     row_lengths: Optional[Callable[[Example], tuple[int, int]]] = None  # TokenizesRows: (prompt, whole row) tokens
-    verifiable: bool = True  # verify() compares with a reference answer (False: a TokenizesRows task without one)
+    verifiable: bool = True  # verify() compares with a reference answer (False: a MayLackAnswers task without them)
 
 
 def task_capabilities(task: Any) -> TaskCapabilities:
@@ -236,9 +243,10 @@ def task_capabilities(task: Any) -> TaskCapabilities:
     paths = isinstance(task, HasSolutionPaths)
     own = isinstance(task, RendersOwnPrompts)
     rows = isinstance(task, TokenizesRows)
+    lacks = isinstance(task, MayLackAnswers)
     for key, ok in (("several_paths", not paths or isinstance(task.several_paths, bool)),
                     ("renders_own_prompts", not own or isinstance(task.renders_own_prompts, bool)),
-                    ("verifiable", not rows or isinstance(task.verifiable, bool))):
+                    ("verifiable", not lacks or isinstance(task.verifiable, bool))):
         if not ok:
             raise TypeError(f"task {type(task).__name__}: {key} must be True or False")
     return TaskCapabilities(solution_path=task.solution_path if paths else None,
@@ -248,7 +256,7 @@ def task_capabilities(task: Any) -> TaskCapabilities:
                             row_budget=task.row_budget if own and task.renders_own_prompts else None,
                             row_tokens=task.row_tokens if rows else None,
                             row_lengths=task.row_lengths if rows else None,
-                            verifiable=not rows or task.verifiable)
+                            verifiable=not lacks or task.verifiable)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,8 +16,11 @@ The test split comes from, in order: `test_path`, `test_fraction` (held out from
 
 Rows: `question_field` and `solution_field` must be non-empty strings. `answer_field` may be absent
 (or `None`): then the answer is extracted from the solution (`extract_answer`). An answer holding a
-`####` or `\\boxed{}` is reduced to what they mark. A solution without a `####` line gets
-`#### <answer>` appended (`append_answer_line`), so every solution ends the way the prompt asks.
+`####` or `\\boxed{}` is reduced to what they mark. A row with no answer either way is kept with the
+answer "" and listed in `unanswered`; the task is then not `verifiable` (no eval accuracy, and an
+algorithm whose reward is the verifier refuses it before any work). A solution is trained as written;
+with `append_answer_line` one without a `####` line gets `#### <answer>` appended, so every solution
+ends the way the default prompt asks.
 `solution_field=None` makes the solution just that answer line (for RL-only data).
 Artifacts: a row may carry `artifacts_field` (default "artifacts"): a list of non-empty strings
 (tables, documents, skills) that becomes `Example.artifacts` and is placed, concatenated as given,
@@ -185,7 +188,7 @@ class TextTask:
                  max_examples: int | None = None, max_test_examples: int | None = None,
                  hub_config: str | None = None, prompt_template: str | None = None,
                  teacher_template: str | None = None, mask_token: str | None = None,
-                 append_answer_line: bool = True, span_by: str = "auto", name: str | None = None,
+                 append_answer_line: bool = False, span_by: str = "auto", name: str | None = None,
                  artifacts_field: str | None = "artifacts"):
         if on_bad_row not in ON_BAD_ROW:
             raise DataError(f"on_bad_row must be one of {ON_BAD_ROW}, got {on_bad_row!r}")
@@ -203,6 +206,7 @@ class TextTask:
             teacher_template or TEXT_TEACHER_PROMPT, ["question", "reference"], "teacher_template")
         self.mask_token = mask_token or TEXT_MASK_TOKEN
         self.skipped = 0
+        self.unanswered: list[str] = []  # uids of rows with no answer (then `verifiable` is False)
 
         source = open_source(path, hub_config)
         train_key = None if None in source else train_split
@@ -263,11 +267,17 @@ class TextTask:
             solution = _text(row, s_field)
         if answer is None:
             answer = extract_answer(solution)
-            if answer is None:
-                raise _BadRow(f"no answer field {a_field!r} and no answer found in the solution")
+            if answer is None:  # trainable as written; only a verifier needs one (`verifiable`)
+                self.unanswered.append(uid)
+                return Example(question, solution, "", uid, _artifacts(row, self.artifacts_field), turns)
         if self.append_answer_line and ANSWER_MARKER not in solution:
             solution = f"{solution.rstrip()}\n{ANSWER_MARKER} {answer}"
         return Example(question, solution, answer, uid, _artifacts(row, self.artifacts_field), turns)
+
+    @property
+    def verifiable(self) -> bool:
+        """Whether every row has a reference answer (`verify` means something for each)."""
+        return not self.unanswered
 
     # -- the Task protocol --------------------------------------------------------------------
 
@@ -426,6 +436,7 @@ class TextConfig(PromptTemplates, TaskConfig):
     on_bad_row: str = "error"  # error | skip
     max_examples: Optional[int] = None
     artifacts_field: Optional[str] = "artifacts"  # a row's list of artifact strings, placed before the question
+    append_answer_line: bool = False  # true: a solution without a #### line gets "#### <answer>" appended
 
     task_class = TextTask
 
@@ -446,4 +457,5 @@ class TextConfig(PromptTemplates, TaskConfig):
                         test_split=self.test_split, test_fraction=self.test_fraction, seed=self.seed,
                         question_field=self.question_field, solution_field=self.solution_field,
                         answer_field=self.answer_field, on_bad_row=self.on_bad_row, max_examples=self.max_examples,
-                        artifacts_field=self.artifacts_field, **self.templates())
+                        artifacts_field=self.artifacts_field, append_answer_line=self.append_answer_line,
+                        **self.templates())

@@ -148,8 +148,8 @@ def test_bad_functions_are_one_line_naming_the_function(tmp_path, spec, message)
 
 def test_a_task_without_answers_needs_reward_functions(tmp_path):
     task = chat_task(tmp_path, PROMPT_ONLY, build_char_tokenizer())
-    with pytest.raises(DataError, match=r"data=rows has no verifier without data.answer_field, but the reward is "
-                                        r"the verifier's"):
+    with pytest.raises(DataError, match=r"data=rows: its rows have no reference answers to verify, but the reward "
+                                        r"is the verifier's"):
         GRPO(GRPOConfig(num_generations=2)).check_task(task)
     GRPO(GRPOConfig(num_generations=2, reward_funcs=["test_rewards:spy"])).check_task(task)  # fine
 

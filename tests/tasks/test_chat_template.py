@@ -166,7 +166,7 @@ def test_conversational_rows_in_both_dataset_formats(tmp_path):
     first = examples["what is 2+3?"]
     assert first.turns == (("system", "be brief."),) and first.solution == "2+3=5\n#### 5" and first.answer == "5"
     second = examples["what is 4+4?"]
-    assert second.turns == () and second.answer == "8" and second.solution.endswith("#### 8")
+    assert second.turns == () and second.answer == "8" and second.solution == "4+4=8. the answer is 8"  # as written
     assert examples["what is 1+1?"].answer == "2"
     assert examples["plain 3+3?"].turns == ()
     # without a template the earlier turns are plain text before the question

@@ -255,12 +255,16 @@ ROWS = [
 
 
 def test_jsonl_loading_and_answers(tmp_path):
-    task = TextTask(path=str(write_jsonl(tmp_path / "d.jsonl", ROWS)), test_fraction=0.25, seed=1)
+    path = str(write_jsonl(tmp_path / "d.jsonl", ROWS))
+    task = TextTask(path=path, test_fraction=0.25, seed=1, append_answer_line=True)
     examples = sorted(task.train_examples() + task.test_examples(), key=lambda e: e.uid)
     assert [e.uid for e in examples] == ["d.jsonl:1", "d.jsonl:2", "d.jsonl:3", "d.jsonl:4"]
     assert [e.answer for e in examples] == ["5", "30", "1234", "1.5"]
     assert examples[0].solution == ROWS[0]["solution"]  # already has its #### line
-    assert examples[1].solution == "10 times 3 is 30.\n#### 30"  # answer line appended
+    assert examples[1].solution == "10 times 3 is 30.\n#### 30"  # answer line appended (asked for)
+    as_written = TextTask(path=path, test_fraction=0.25, seed=1)  # the default: solutions as written
+    assert sorted(e.solution for e in as_written.train_examples() + as_written.test_examples()) == sorted(
+        r["solution"] for r in ROWS)
     assert len(task.test_examples()) == 1 and task.skipped == 0
     ex = examples[2]
     assert task.verify(ex, "so the total is \\boxed{1,234}").correct
@@ -332,13 +336,24 @@ def test_saved_dataset_dir_and_build_task(tmp_path):
     ({"question": "  ", "solution": "#### 1"}, "field 'question' is empty"),
     ({"question": 7, "solution": "#### 1"}, "field 'question' must be a string, got int"),
     ({"question": "q", "solution": "#### 1", "answer": True}, "field 'answer' must be a string or number"),
-    ({"question": "q", "solution": "no number at all"}, "no answer found in the solution"),
 ])
 def test_bad_row_names_file_and_row(tmp_path, row, why):
     path = write_jsonl(tmp_path / "bad.jsonl", [ROWS[0], ROWS[1], row, ROWS[2]])
     with pytest.raises(DataError) as e:
         TextTask(path=str(path))
     assert f"{path}: row 3: " in str(e.value) and why in str(e.value)
+
+
+def test_a_row_without_an_answer_trains_as_written_and_makes_the_task_unverifiable(tmp_path):
+    from tasks import task_capabilities
+
+    path = write_jsonl(tmp_path / "d.jsonl", [ROWS[0], {"question": "Give me tips.", "solution": "Here are tips: rest."}])
+    task = TextTask(path=str(path))
+    tips = task.train_examples()[1]
+    assert tips.solution == "Here are tips: rest." and tips.answer == "" and "####" not in tips.solution
+    assert task.unanswered == ["d.jsonl:2"] and not task.verifiable
+    assert not task_capabilities(task).verifiable
+    assert task_capabilities(TextTask(path=str(write_jsonl(tmp_path / "e.jsonl", ROWS[:2])))).verifiable
 
 
 def test_skip_bad_rows_counts_and_warns(tmp_path):
