@@ -8,7 +8,9 @@ context must stay inside a token budget. Per step, for each task episode:
    live episodes step in lockstep, one batched `generate` per round, each episode a session whose
    previous K/V the engine reuses (`reuse`: prefix caching by default, exact; `suffix` also relocates
    the spans a rewrite moved; `full` re-prefills). The engine reports what each call forwarded.
-2. The task reward r_i (1 when the episode answered right) is normalised within the group
+2. The task reward r_i (1 when the episode answered right; with `reward_funcs`, the weighted sum of
+   reward functions in TRL's signature over the episodes' final outputs, algorithms/rewards.py, in
+   which `verifier` is that 1/0) is normalised within the group
    (`algorithms.advantages.group_advantages`; an episode the environment refused, e.g. a budget
    smaller than its protected prefix, is invalid: left out of the statistics, advantage 0).
 3. The efficiency advantage of episode i: a_eff_i = clip((mean_c - c_i) / mean_c, -1, 1), mean_c the
@@ -37,6 +39,7 @@ from algorithms import losses
 from algorithms.advantages import GroupRollouts, group_advantages
 from algorithms.dynamic_sampling import DynamicSampling, ReferenceAndRetirementState, Retirement, fill_groups
 from algorithms.base import Batch, LossChunking, PolicyTerms, RolloutContext, StepOutput, Traits
+from algorithms.rewards import RewardFunctions, build_rewards, call_rewards, combine, reward_inputs, reward_metrics
 from algorithms.rollouts import encode, encode_prompt, rollout_batch
 from algorithms.losses import k3_kl
 from algorithms.scoring import policy_logprobs, scatter_tokens, student_features
@@ -56,7 +59,7 @@ DYNAMIC_METRICS = ("signal", "success")
 
 
 @dataclass
-class CLMConfig(LoRAOptions, LossChunking, DynamicSampling, GroupRollouts):
+class CLMConfig(LoRAOptions, LossChunking, DynamicSampling, GroupRollouts, RewardFunctions):
     traits: ClassVar[Traits] = Traits(deepspeed=False, tiny_lr=1e-4, lora=True)
     name: str = "clm"
     temperature: float = 1.0  # rollout temperature; the loss divides logits by it too
@@ -100,6 +103,7 @@ class CLMConfig(LoRAOptions, LossChunking, DynamicSampling, GroupRollouts):
         if self.reuse not in REUSE_MODES:
             raise ValueError(f"algo.reuse={self.reuse} is not one of {', '.join(REUSE_MODES)}")
         self.reuse_config()  # the engine's own checks, named by key
+        self.check_reward_funcs()
 
     def reuse_config(self) -> "ReuseConfig":
         from inference.suffix import ReuseConfig
@@ -297,6 +301,7 @@ class CLM(ReferenceAndRetirementState):
         self.cfg = cfg
         self.retirement = Retirement(cfg.retire_after)  # tasks always / never solved (retire_after)
         self.reference = SelfTeacher("fixed", 0.0)  # the starting weights, for the KL term (beta > 0)
+        self.rewards = build_rewards(cfg)  # RewardError (exit 3) when a function cannot be loaded
         if cfg.num_generations == 1:
             warnings.warn("algo.num_generations=1: every group-relative advantage is 0 and the efficiency term "
                           "needs 2 successes per group, so CLM makes no update", stacklevel=2)
@@ -355,8 +360,7 @@ class CLM(ReferenceAndRetirementState):
         for t in trajs:
             if t.error is not None:
                 warnings.warn(f"clm: episode {t.episode.uid} skipped: {t.error}", stacklevel=2)
-        rewards = torch.tensor([float(t.success) for t in trajs])
-        valid = torch.tensor([t.valid for t in trajs], dtype=torch.bool)
+        rewards, valid, reward_stats = self.episode_rewards(trajs, ctx.task)
         task_adv, zero_std = group_advantages(rewards, valid, g, c.advantage_eps, c.scale_rewards, ctx.world)
         eff_adv = efficiency_advantages(torch.tensor([float(t.compute) for t in trajs]),
                                         torch.tensor([t.success for t in trajs], dtype=torch.bool), g)
@@ -382,13 +386,27 @@ class CLM(ReferenceAndRetirementState):
         lengths = [float(len(call.completion.tokens)) for _, _, call in calls]
         batch.metrics = {**episode_metrics(trajs), "clm/frac_zero_std": zero_std.float().mean(),
                          "clm/advantage_abs": task_adv.abs().mean(), "clm/efficiency_abs": eff_adv.abs().mean(),
-                         "rollout/reward": rewards.mean(),
+                         "rollout/reward": rewards.mean(), **reward_stats,
                          "rollout/length": torch.tensor(sum(lengths) / max(len(lengths), 1))}
         if fill is not None:
             batch.metrics.update(fill.metrics(int(sum(lengths))))
         if c.retire_after > 0:
             batch.metrics.update(self.retirement.metrics())
         return batch
+
+    def episode_rewards(self, trajs: Sequence[Trajectory], task: Any
+                        ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(reward, valid, rewards/NAME metrics) per episode: the reward functions called once over the episodes'
+        final outputs (the prompt is the episode's, the completion its last call's text), `verifier` being
+        success; an episode the environment refused, or that no function applies to, is invalid."""
+        success = [float(t.success) for t in trajs]
+        refused = torch.tensor([not t.valid for t in trajs], dtype=torch.bool)
+        last = [t.calls[-1] if t.calls else None for t in trajs]
+        inputs = reward_inputs(task, [t.episode for t in trajs], [c.text if c else "" for c in last],
+                               [list(c.completion.tokens) if c else [] for c in last], lambda ep: ep.question)
+        table = call_rewards(self.rewards, inputs, [t.episode.uid for t in trajs], success)  # (N, F)
+        rewards, valid = combine(table, self.rewards)
+        return rewards.float(), valid & ~refused, reward_metrics(table, self.rewards)
 
     # --- loss -------------------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@
 
 Each function is called once per batch of completions with:
 - `prompts`: each completion's prompt as its row wrote it (data=chat: the `prompt` / `messages` before
-  the completion, a string or a list of messages); for the generated tasks the prompt text the model read;
+  the completion, a string or a list of messages); for the generated tasks the prompt text the model read
+  (clm: the episode's question);
 - `completions`: the decoded completions (special tokens skipped), strings for string prompts and
   `[{"role": "assistant", "content": text}]` for conversational prompts, as TRL passes them;
 - `completion_ids`: each completion's token ids;
@@ -115,14 +116,16 @@ def build_rewards(opts: RewardFunctions) -> list[Reward]:
     return out
 
 
-def reward_inputs(task: Any, examples: Sequence[Any], texts: Sequence[str], ids: Sequence[Sequence[int]]
-                  ) -> tuple[list, list, list, dict[str, list]]:
+def reward_inputs(task: Any, examples: Sequence[Any], texts: Sequence[str], ids: Sequence[Sequence[int]],
+                  prompt_of: Optional[Callable[[Any], str]] = None) -> tuple[list, list, list, dict[str, list]]:
     """(prompts, completions, completion_ids, columns) of completions paired with their examples, as TRL's
-    GRPOTrainer passes them to a reward function (see the module docstring)."""
+    GRPOTrainer passes them to a reward function (see the module docstring). `prompt_of`: the prompt of an
+    example without a row as written (default: the task's prompt text)."""
+    prompt_of = prompt_of or task.prompt
     prompts, completions = [], []
     for ex, text in zip(examples, texts):
         row = ex.row
-        prompt = row.prompt if row is not None else task.prompt(ex)
+        prompt = row.prompt if row is not None else prompt_of(ex)
         prompts.append(list(prompt) if isinstance(prompt, tuple) else prompt)
         completions.append([{"role": "assistant", "content": text}] if isinstance(prompt, tuple) else text)
     columns: dict[str, list] = {}

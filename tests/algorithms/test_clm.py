@@ -303,3 +303,22 @@ def test_kl_to_the_starting_weights_is_grpos_k3_on_every_call_token():
     assert "reference" in algo.state_dict()
     with pytest.raises(ValueError, match="algo.beta"):
         CLMConfig(beta=-0.1).validate()
+
+
+def answer_length(prompts, completions, completion_ids, question, **columns):
+    """A TRL-style reward over each episode's final output: its length (dense), reading the question column."""
+    assert len(question) == len(completions)
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def test_reward_functions_score_the_episodes_final_outputs(tiny):
+    model, tok = tiny
+    task = ClmTask(seed=0, n_train=4, n_test=2)
+    algo = CLM(CLMConfig(num_generations=2, max_calls=2, reward_funcs=["test_clm:answer_length", "verifier"],
+                         reward_weights=[0.5, 1.0]))
+    batch = algo.make_batch(task.train_examples()[:2], _ctx(task, tok, model))
+    # reward = 0.5 x the last call's length + success; the metrics hold each function's mean
+    assert batch.metrics["rewards/answer_length/mean"].item() > 0
+    expected = 0.5 * batch.metrics["rewards/answer_length/mean"] + batch.metrics["rewards/verifier/mean"]
+    assert batch.metrics["rollout/reward"].item() == pytest.approx(expected.item(), rel=1e-5)
+    assert batch.metrics["rewards/verifier/mean"].item() == pytest.approx(batch.metrics["clm/success"].item())
