@@ -103,16 +103,18 @@ def accuracy_summary(evals: list[dict], extra: dict[str, str] | None = None) -> 
     if not evals:
         return "held-out accuracy: no evaluation ran"
     first, last = evals[0], evals[-1]
-    if "accuracy" not in first and "loss" not in first:
-        return "held-out: nothing to score (prompt-only rows without data.answer_field)"
-    if "accuracy" not in first:  # data=chat without reference answers: the held-out loss is the figure
-        return (f"held-out loss (n={last['n']}, {last['loss_tokens']} tokens): step {first['step']} "
+    if "accuracy" in first:
+        teacher = (f" (teacher prompt with reference {first['teacher_accuracy']:.3f})" if "teacher_accuracy" in first
+                   else "")
+        before = f"step {first['step']} {first['accuracy']:.3f}{teacher}"
+        line = f"held-out accuracy (n={last['n']}): {before} -> step {last['step']} {last['accuracy']:.3f}"
+        if "teacher_accuracy" in last and last is not first:
+            line += f" (teacher prompt {last['teacher_accuracy']:.3f})"
+    elif "loss" in first:  # data=chat without reference answers: the held-out loss is the figure
+        line = (f"held-out loss (n={last['n']}, {last['loss_tokens']} tokens): step {first['step']} "
                 f"{first['loss']:.4f} -> step {last['step']} {last['loss']:.4f}")
-    teacher = f" (teacher prompt with reference {first['teacher_accuracy']:.3f})" if "teacher_accuracy" in first else ""
-    before = f"step {first['step']} {first['accuracy']:.3f}{teacher}"
-    line = f"held-out accuracy (n={last['n']}): {before} -> step {last['step']} {last['accuracy']:.3f}"
-    if "teacher_accuracy" in last and last is not first:
-        line += f" (teacher prompt {last['teacher_accuracy']:.3f})"
+    else:
+        line = "held-out accuracy: none (rows without reference answers)"
     for key, label in (extra or {}).items():
         if key in first:
             line += (f"\n{label}: step {first['step']} {first[key]:.2f} -> step {last['step']} "

@@ -126,6 +126,7 @@ class GRPOConfig(LoRAOptions, LossChunking, DynamicSampling, GroupRollouts, Rewa
 
 class GRPO(ReferenceAndRetirementState):
     name = "grpo"
+    summary_metrics = {"reward": "held-out reward of the reward functions (greedy)"}
 
     def __init__(self, cfg: GRPOConfig):
         self.cfg = cfg
@@ -287,6 +288,22 @@ class GRPO(ReferenceAndRetirementState):
             metrics.update(reward_metrics(torch.tensor([s.per_func for s in scored], dtype=torch.float64),
                                           self.rewards))
         return rewards_t, valid_t, metrics
+
+    def extra_eval(self, model: nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any],
+                   max_new_tokens: int) -> dict[str, float]:
+        """With reward functions of the user's: the reward of greedy completions of held-out prompts (`reward`,
+        and each function's `rewards/NAME/mean`; TRL's eval reward), the figure a task without reference
+        answers has. Empty when the verifier is the only reward (the eval's accuracy says it)."""
+        from inference.serving import ServeOptions, serve_model
+
+        if all(r.fn is None for r in self.rewards) or not examples:
+            return {}
+        server = serve_model(model, ServeOptions(), tokenizer)
+        prompts = [encode_prompt(tokenizer, task.prompt(ex)) for ex in examples]
+        outs = server.generate(prompts, server.params(max_new_tokens=max_new_tokens, temperature=0.0))
+        _, _, metrics = self.reward_metrics(self.score(examples, outs, tokenizer, task))
+        return {"reward": float(metrics["rollout/reward"]),
+                **{k: float(v) for k, v in metrics.items() if k.startswith("rewards/") and k.endswith("/mean")}}
 
     # --- loss -----------------------------------------------------------------------------------
 

@@ -260,7 +260,7 @@ def recorded_evals(output_dir: str) -> list[dict]:
     except (OSError, ValueError):
         return []
     return [r for r in rows if isinstance(r, dict) and r.get("split") == "eval"
-            and ("accuracy" in r or "loss" in r)]
+            and len(r) > 2]
 
 
 def set_aside_old_metrics(output_dir: str) -> Optional[str]:

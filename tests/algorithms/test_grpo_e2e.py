@@ -74,6 +74,8 @@ def test_a_trl_style_reward_reading_a_column_on_two_ranks_with_dynamic_sampling(
                            algo="grpo")
     train = [x for x in lines if x["split"] == "train"]
     assert [x["step"] for x in train] == [1, 2]
+    evals = [x for x in lines if x["split"] == "eval"]  # prompt-only rows: the greedy held-out reward is the figure
+    assert evals and all("accuracy" not in x and x["reward"] > 0 for x in evals)
     for x in train:
         assert x["rewards/target_reward/mean"] > 0 and "rewards/target_reward/std" in x
         assert x["rollout/reward"] == pytest.approx(x["rewards/target_reward/mean"], rel=1e-5)

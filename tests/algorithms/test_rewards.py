@@ -158,3 +158,16 @@ def test_call_rewards_fills_the_verifier_column_from_its_scores():
     table = call_rewards([Reward("verifier", None, 1.0)], (["p", "q"], ["a", "b"], [[1], [2]], {}), ["r1", "r2"],
                          verifier=[1.0, 0.0])
     assert table[:, 0].tolist() == [1.0, 0.0]
+
+
+def test_the_eval_reports_the_greedy_held_out_reward_of_user_functions(tmp_path):
+    model, tok = tiny()
+    task = chat_task(tmp_path, PROMPT_ONLY, tok)
+    CALLS.clear()
+    algo = GRPO(GRPOConfig(num_generations=2, reward_funcs=["test_rewards:spy"]))
+    result = algo.extra_eval(model, tok, task, task.train_examples(), 6)
+    [call] = CALLS
+    lengths = [float(len(ids)) for ids in call["completion_ids"]]
+    assert call["prompts"] == ["say a", "say b"] and result["reward"] == pytest.approx(sum(lengths) / 2)
+    assert result["rewards/spy/mean"] == pytest.approx(result["reward"])
+    assert GRPO(GRPOConfig(num_generations=2)).extra_eval(model, tok, task, task.train_examples(), 6) == {}
