@@ -1,7 +1,8 @@
 """Held-out accuracy of a model: `python evaluate.py model.path=DIR data=NAME [trainer.eval_examples=N]`, or
 with a recipe's data and eval settings: `python evaluate.py +recipe=NAME model.path=DIR data.path=... data.test_path=...`.
 
-Prints one JSON line with `accuracy`, `step_accuracy` and `n`. A `model.path` export is evaluated as
+Prints one JSON line with `accuracy`, `step_accuracy` and `n`; for `data=chat`, also the held-out `loss`
+(and `loss_tokens`) of its rows, and without reference answers (no `data.answer_field`) only that. A `model.path` export is evaluated as
 it is served: opened through the serving door (`inference/serving.py`, `load_served`), so a quantized
 export (compressed-tensors, e.g. a `+algo=qad` run's final/) runs on the low-bit path, and an export
 with a layer skipper (`final/skipper/`, from `+algo=skipper`) runs with its routers on; the JSON line
@@ -28,8 +29,9 @@ def main(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    from tasks import DataError, task_capabilities
     from trainer.distributed import World
-    from trainer.evaluation import evaluate
+    from trainer.evaluation import evaluate, heldout_loss
     from trainer.precision import Precision
     from trainer.setup import build_task_from, load_model, model_positions, prompts_for
     from trainer.warm_start import ensure
@@ -47,11 +49,20 @@ def main(argv: list[str]) -> int:
         model, tokenizer = load_model(cfg.model, world)
     else:
         model, tokenizer = server.model, server.tokenizer
-    task = prompts_for(build_task_from(cfg.data, cfg.model), tokenizer, cfg.data, world, model_positions(model))
-    examples = list(task.test_examples())[: cfg.trainer.eval_examples]
-    with Precision(cfg.model.dtype).autocast(world.device):  # as a training run's evals (trainer/precision.py)
-        result = evaluate(model.eval(), tokenizer, task, examples, world, cfg.trainer.eval_max_new_tokens,
-                          engine=server)
+    try:
+        task = prompts_for(build_task_from(cfg.data, cfg.model), tokenizer, cfg.data, world, model_positions(model))
+        examples = list(task.test_examples())[: cfg.trainer.eval_examples]
+        caps, result = task_capabilities(task), {}
+        with Precision(cfg.model.dtype).autocast(world.device):  # as a training run's evals (trainer/precision.py)
+            scored = [ex for ex in examples if ex.solution] if caps.row_tokens is not None else []
+            if scored:  # data=chat: the loss of its held-out rows, as the trainer's eval reports it
+                result.update(heldout_loss(model.eval(), caps.row_tokens, scored, world, tokenizer.pad_token_id))
+            if caps.verifiable:
+                result.update(evaluate(model.eval(), tokenizer, task, examples, world,
+                                       cfg.trainer.eval_max_new_tokens, engine=server))
+    except DataError as err:
+        print(f"data error: {err}", file=sys.stderr)
+        return 3
     if server is not None and server.skipper is not None:
         result["skip_ratio"] = server.stats.skip_ratio()
     print(json.dumps(result))

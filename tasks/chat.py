@@ -154,6 +154,20 @@ def load_split(path: str, split: str, hub_config: Optional[str] = None, revision
     m = _SPLIT.match(split.replace(" ", ""))
     if not m:
         raise DataError(f"{path}: split {split!r} is not a name with an optional slice, e.g. train or train[:10%]")
+    import datasets
+
+    if not Path(path).expanduser().exists():  # a Hub download: its progress bars stay
+        return _load(path, split, m, hub_config, revision)
+    quiet = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # local files read in a blink; their bars would bury a one-line error
+    try:
+        return _load(path, split, m, hub_config, revision)
+    finally:
+        if not quiet:
+            datasets.enable_progress_bars()
+
+
+def _load(path: str, split: str, m: re.Match, hub_config: Optional[str], revision: Optional[str]) -> Any:
     p = Path(path).expanduser()
     try:
         if p.is_file():

@@ -171,3 +171,17 @@ def test_the_eval_reports_the_greedy_held_out_reward_of_user_functions(tmp_path)
     assert call["prompts"] == ["say a", "say b"] and result["reward"] == pytest.approx(sum(lengths) / 2)
     assert result["rewards/spy/mean"] == pytest.approx(result["reward"])
     assert GRPO(GRPOConfig(num_generations=2)).extra_eval(model, tok, task, task.train_examples(), 6) == {}
+
+
+def test_train_py_refuses_a_reward_function_it_cannot_import_with_exit_3_and_nothing_written(tmp_path, capsys):
+    import train
+    from tests.conftest import tiny_overrides
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in PROMPT_ONLY * 4))
+    out = tmp_path / "run"
+    code = train.main(tiny_overrides(out, "data=chat", f"data.path={path}", "data.test_fraction=0.25",
+                                     "algo.reward_funcs=[no_such_module_xyz:reward]", algo="grpo"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 3 and len(err) == 1 and not out.exists()
+    assert err[0].startswith("data error: reward function 'no_such_module_xyz:reward' cannot be loaded")

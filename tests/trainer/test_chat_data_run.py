@@ -53,6 +53,14 @@ def test_train_py_summarises_the_held_out_loss(tmp_path, capsys):
                                      "trainer.max_steps=2", "trainer.eval_every=2"))
     assert code == 0
     assert "held-out loss (n=6, " in capsys.readouterr().out
+    import evaluate  # the export evaluated the same way: its held-out loss, no accuracy without answers
+
+    assert evaluate.main([f"model.path={tmp_path / 'run' / 'final'}", "data=chat", f"data.path={data}",
+                          "data.test_fraction=0.25"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(result) == {"loss", "loss_tokens", "n"} and result["n"] == 6
+    last = [r for r in records(tmp_path / "run") if r["split"] == "eval"][-1]  # the same weights, rows and split
+    assert result["loss"] == pytest.approx(last["loss"], rel=1e-4) and result["loss_tokens"] == last["loss_tokens"]
 
 
 @pytest.mark.parametrize("row, message", [
