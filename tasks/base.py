@@ -350,6 +350,17 @@ def check_template(template: str, required: Sequence[str], what: str) -> str:
     return template
 
 
+def hold_out(examples: list[Example], fraction: float, seed: int, path: str) -> tuple[list, list]:
+    """(train, test): a seeded random `fraction` of `examples` split off as the test set; both keep the order."""
+    import random
+
+    n_test = max(1, round(fraction * len(examples)))
+    if n_test >= len(examples):
+        raise DataError(f"{path}: test_fraction={fraction} of {len(examples)} examples leaves no training data")
+    held = set(random.Random(f"holdout-{seed}").sample(range(len(examples)), n_test))
+    return [ex for i, ex in enumerate(examples) if i not in held], [ex for i, ex in enumerate(examples) if i in held]
+
+
 def mask_spans(spans: Sequence[str], masked: Sequence[bool], mask_token: str) -> str:
     """The reference with every masked span replaced by `mask_token`.
 

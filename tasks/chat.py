@@ -34,7 +34,7 @@ of reference answers (`verify` then compares the completion's final answer with 
 from __future__ import annotations
 
 import copy
-import random
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +50,7 @@ from tasks.base import (
     check_template,
     extract_answer,
     fill_template,
+    hold_out,
     split_lines,
     split_sentences,
 )
@@ -237,13 +238,9 @@ def render_messages(tokenizer: Any, messages: Sequence[dict], chat: bool, genera
     return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation)
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids `a` and `b` share."""
+    return len(os.path.commonprefix([list(a), list(b)]))
 
 
 def has_generation_markers(tokenizer: Any) -> bool:
@@ -281,7 +278,7 @@ def _string_tokens(row: Row, tokenizer: Any, loss_on: str) -> tuple[list[int], l
     ids = list(tokenizer(row.prompt + completion).input_ids)
     if loss_on == "all" or row.format == "text":
         return ids, [1] * len(ids)
-    start = common_prefix(tokenizer(row.prompt).input_ids, ids)
+    start = _common_prefix(tokenizer(row.prompt).input_ids, ids)
     return ids, [0] * start + [1] * (len(ids) - start)
 
 
@@ -293,7 +290,7 @@ def _conversation_tokens(row: Row, tokenizer: Any, chat: bool, loss_on: str) -> 
         return ids, [1] * len(ids)
     if loss_on == "completion" or row.format == "prompt_completion":  # TRL's completion mask: the token divergence
         ids = _encode(tokenizer, text)[0]
-        start = common_prefix(_encode(tokenizer, render_messages(tokenizer, row.prompt, chat, True))[0], ids)
+        start = _common_prefix(_encode(tokenizer, render_messages(tokenizer, row.prompt, chat, True))[0], ids)
         return ids, [0] * start + [1] * (len(ids) - start)
     spans = assistant_spans(tokenizer, messages, chat, text)
     if not chat and messages[-1]["role"] == "assistant":  # without a template the EOS ends the last turn
@@ -354,7 +351,7 @@ class ChatTask:
         if test_path:
             test = self._examples(load_split(test_path, test_split, hub_config, revision), test_path, test_split)
         elif test_fraction > 0:
-            train, test = _hold_out(train, test_fraction, seed, path)
+            train, test = hold_out(train, test_fraction, seed, path)
         elif not Path(path).expanduser().is_file():
             try:
                 test = self._examples(load_split(path, test_split, hub_config, revision), path, test_split)
@@ -486,14 +483,6 @@ def _reply(row: Row) -> str:
     if isinstance(row.completion, str):
         return row.completion
     return "".join(m["content"] for m in row.completion)
-
-
-def _hold_out(examples: list[Example], fraction: float, seed: int, path: str) -> tuple[list, list]:
-    n_test = max(1, round(fraction * len(examples)))
-    if n_test >= len(examples):
-        raise DataError(f"{path}: test_fraction={fraction} of {len(examples)} rows leaves no training data")
-    held = set(random.Random(f"holdout-{seed}").sample(range(len(examples)), n_test))
-    return ([ex for i, ex in enumerate(examples) if i not in held], [ex for i, ex in enumerate(examples) if i in held])
 
 
 @dataclass

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import csv
 import json
-import random
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +57,7 @@ from tasks.base import (
     check_template,
     extract_answer,
     fill_template,
+    hold_out,
     split_lines,
     split_sentences,
 )
@@ -221,7 +221,7 @@ class TextTask:
                 raise DataError(f"{test_path}: no split {test_split!r}; it has {sorted(test_source)}")
             test = self._examples(test_source[test_key](), test_path, test_key)
         elif test_fraction > 0:
-            train, test = _hold_out(train, test_fraction, seed, path)
+            train, test = hold_out(train, test_fraction, seed, path)
         elif None not in source and test_split in source:
             test = self._examples(source[test_split](), path, test_split)
         self._train = train[:max_examples] if max_examples is not None else train
@@ -406,17 +406,6 @@ def _answer(row: dict, field: str | None) -> str | None:
     if ANSWER_MARKER in text or "\\boxed" in text:
         text = extract_answer(text) or text
     return text
-
-
-def _hold_out(examples: list[Example], fraction: float, seed: int, path: str) -> tuple[list, list]:
-    """Split off a seeded random `fraction` as the test set; both keep the file order."""
-    n_test = max(1, round(fraction * len(examples)))
-    if n_test >= len(examples):
-        raise DataError(f"{path}: test_fraction={fraction} of {len(examples)} examples leaves no training data")
-    held = set(random.Random(f"holdout-{seed}").sample(range(len(examples)), n_test))
-    train = [ex for i, ex in enumerate(examples) if i not in held]
-    test = [ex for i, ex in enumerate(examples) if i in held]
-    return train, test
 
 
 @dataclass
