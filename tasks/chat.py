@@ -200,8 +200,14 @@ def _load_file(p: Path, split: str) -> Any:
 def _load_dir(p: Path, split: str, name: str, hub_config: Optional[str], revision: Optional[str]) -> Any:
     import datasets
 
-    if hub_config and (p / hub_config).is_dir() and _saved(p / hub_config):  # one saved data set per config
+    configs = sorted(d.name for d in p.iterdir() if d.is_dir() and _saved(d))
+    if configs and not _saved(p):  # one saved data set per config: data.hub_config picks one
+        if hub_config not in configs:
+            raise DataError(f"{p}: holds the saved data sets {', '.join(configs)}; pick one with data.hub_config"
+                            + (f" (not {hub_config!r})" if hub_config else ""))
         p = p / hub_config
+    elif hub_config and _saved(p):
+        raise DataError(f"{p}: one saved data set, without configs; leave data.hub_config unset (not {hub_config!r})")
     if not _saved(p):  # a directory of data files, or a Hub-layout repository with its configs
         return datasets.load_dataset(str(p), hub_config, split=split, revision=revision)
     ds = datasets.load_from_disk(str(p))

@@ -193,6 +193,10 @@ def test_a_save_to_disk_set_with_two_configs_loads_the_one_hub_config_names(tmp_
     task = task_config("chat", path=str(tmp_path), hub_config="other").build()
     assert [ex.solution for ex in task.train_examples()] == [" red"] * 4
     assert len(task.test_examples()) == 2
+    with pytest.raises(DataError, match=r"holds the saved data sets main, other; pick one with data.hub_config$"):
+        task_config("chat", path=str(tmp_path)).build()
+    with pytest.raises(DataError, match=r"one saved data set, without configs; leave data.hub_config unset"):
+        task_config("chat", path=str(tmp_path / "main"), hub_config="main").build()
 
 
 def test_split_slices_cut_files_and_saved_sets_alike(tmp_path):
