@@ -4,6 +4,7 @@ A test checks this registry matches configs/algo/*.yaml.
 """
 from algorithms.attuner import Attuner, AttunerConfig
 from algorithms.clm import CLM, CLMConfig
+from algorithms.distill import Distill, DistillConfig
 from algorithms.grpo import GRPO, GRPOConfig
 from algorithms.mass import MASS, MASSConfig
 from algorithms.opsd import OPSD, OPSDConfig
@@ -19,6 +20,7 @@ REGISTRY: dict[str, tuple[type, type]] = {
     "opsd": (OPSDConfig, OPSD),
     "mass": (MASSConfig, MASS),
     "tesd": (TESDConfig, TESD),
+    "distill": (DistillConfig, Distill),
     "grpo": (GRPOConfig, GRPO),
     "seed": (SEEDConfig, SEED),
     "qad": (QADConfig, QAD),

@@ -58,6 +58,7 @@ from algorithms.rollouts import encode, encode_prompt, require_references, rollo
 from algorithms.scoring import detached_head, predicting, teacher_hidden
 from algorithms.selfdistill import (SelfDistillConfig, check_self_distill_config, chunk_size, diagnoses_paths,
                                     distill_loss, path_metrics, self_teacher, skip_leading_tokens)
+from algorithms.teacher import TeacherModelOptions
 from models.anatomy import final_hidden
 from models.export import export_model
 from models.lora import train_all_or_lora
@@ -70,7 +71,7 @@ MASK_TRIES = 32  # redraws of a view that repeats an earlier one
 
 
 @dataclass
-class MASSConfig(SelfDistillConfig):
+class MASSConfig(SelfDistillConfig, TeacherModelOptions):
     name: str = "mass"
     num_views: int = 4  # K masked views of the reference per question
     mask_ratio: float = 0.3  # probability that a view masks a span (Bernoulli per span)
@@ -92,6 +93,7 @@ class MASSConfig(SelfDistillConfig):
 
     def validate(self) -> None:
         check_self_distill_config(self)
+        self.check_teacher_model()
         if self.num_views < 1:
             raise ValueError(f"algo.num_views={self.num_views} must be >= 1")
         if not 0.0 <= self.mask_ratio <= 1.0:

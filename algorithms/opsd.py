@@ -14,7 +14,8 @@ the global count of completion tokens. Options: per-token hard clip, teacher top
 
 Teacher weights (`teacher`): `current` (same weights, stop-grad), `fixed` (the weights at the first
 step; with LoRA the adapters disabled), `ema` (an exponential moving average, decay 0.999, kept
-outside the optimizer). LoRA: `lora_rank > 0`.
+outside the optimizer). `teacher_path=DIR` names a separate teacher model instead (the student's
+tokenizer; algorithms/teacher.py `ModelTeacher`), shown the same privileged prompt. LoRA: `lora_rank > 0`.
 
 Memory: the teacher pass keeps only final hidden states (B, T, K, H); teacher and student logits
 are built a chunk of tokens at a time from them and the output head (losses.chunked_self_distill),
@@ -35,6 +36,7 @@ from algorithms import losses
 from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms
 from algorithms.rollouts import encode_prompt, require_references, rollout_batch, rollout_metrics, sample
 from algorithms.scoring import detached_head, teacher_hidden
+from algorithms.teacher import TeacherModelOptions
 from algorithms.selfdistill import (SelfDistillConfig, chunk_size, diagnoses_paths, distill_loss, path_metrics,
                                     reference_teacher_tops, self_teacher, skip_leading_tokens,
                                     truncate_after_rejection)
@@ -43,7 +45,7 @@ from models.lora import train_all_or_lora
 
 
 @dataclass
-class OPSDConfig(SelfDistillConfig):
+class OPSDConfig(SelfDistillConfig, TeacherModelOptions):
     name: str = "opsd"
     # > 0: each row's loss stops after its first token the teacher gives a probability below this (at the
     # training temperature): the tokens after the student's first error, where the teacher knows little more
@@ -52,6 +54,7 @@ class OPSDConfig(SelfDistillConfig):
 
     def validate(self) -> None:
         super().validate()
+        self.check_teacher_model()
         if not 0.0 <= self.truncate_below < 1.0:
             raise ValueError(f"algo.truncate_below={self.truncate_below} must be in [0, 1)")
 

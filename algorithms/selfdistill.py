@@ -20,7 +20,7 @@ from torch import nn
 from algorithms import losses
 from algorithms.base import Batch, LossChunking, StepOutput, TeacherBatching, Traits
 from algorithms.scoring import scatter_tokens, student_features
-from algorithms.teacher import SelfTeacher
+from algorithms.teacher import ModelTeacher, SelfTeacher, TeacherModelOptions
 from models.anatomy import Head
 from models.lora import LoRAOptions
 from tasks import task_capabilities
@@ -85,8 +85,11 @@ def check_self_distill_config(cfg: Any) -> None:
         raise ValueError("algo.top_k_tail=true needs algo.teacher_top_k > 0 (the tail is the mass outside the top-k)")
 
 
-def self_teacher(cfg: Any) -> SelfTeacher:
-    """The teacher weights the config asks for (`teacher`, `ema_decay`, `teacher_refresh_margin`, `teacher_warn_drop`)."""
+def self_teacher(cfg: Any) -> SelfTeacher | ModelTeacher:
+    """The teacher weights the config asks for: a separate model (`teacher_path` of TeacherModelOptions), else the
+    policy's own (`teacher`, `ema_decay`, `teacher_refresh_margin`, `teacher_warn_drop`)."""
+    if isinstance(cfg, TeacherModelOptions) and cfg.teacher_path is not None:
+        return ModelTeacher(cfg.teacher_path, cfg.teacher_dtype or "float32")
     return SelfTeacher(cfg.teacher, cfg.ema_decay, cfg.teacher_refresh_margin, cfg.teacher_warn_drop)
 
 

@@ -1,11 +1,16 @@
 """Frozen or moving copies of the policy's weights: the self-teacher of the distillation algorithms
-and the reference model of KL penalties (GRPO's starting weights)."""
+and the reference model of KL penalties (GRPO's starting weights); and a separate teacher model
+(`algo.teacher_path`, `ModelTeacher`) with the same interface."""
 from __future__ import annotations
 
 import contextlib
 import copy
 import math
+import os
+from dataclasses import dataclass
 from typing import Iterator, Optional
+
+TEACHER_DTYPES = ("float32", "bfloat16", "float16")
 
 import torch
 from torch import nn
@@ -127,3 +132,61 @@ class SelfTeacher:
         self.baseline = state.get("baseline")
         self.start_teacher_accuracy = state.get("start_teacher_accuracy")
         self.refreshes = int(state.get("refreshes", 0))
+
+
+@dataclass
+class TeacherModelOptions:
+    """The keys of a separate teacher model (an option group of distill, opsd and mass): `teacher_path` an HF
+    model dir, one of our exports or a PEFT adapter dir with its base, with the student's tokenizer (checked
+    at config time, trainer/config.py); `teacher_dtype` its weights' dtype (null: the run's model.dtype)."""
+
+    teacher_path: Optional[str] = None
+    teacher_dtype: Optional[str] = None  # float32 | bfloat16 | float16; null = model.dtype
+
+    def check_teacher_model(self) -> None:
+        """The path exists and is a model dir, and the dtype is known (ValueError naming the key)."""
+        if self.teacher_dtype is not None and self.teacher_dtype not in TEACHER_DTYPES:
+            raise ValueError(f"algo.teacher_dtype={self.teacher_dtype} is not one of {', '.join(TEACHER_DTYPES)}")
+        if self.teacher_path is None:
+            return
+        from models.model_dir import model_dir_problem
+
+        problem = model_dir_problem(os.path.expanduser(self.teacher_path))
+        if problem is not None:
+            raise ValueError(f"algo.teacher_path={self.teacher_path}: {problem}")
+
+
+class ModelTeacher:
+    """A separate, frozen teacher model (`algo.teacher_path`): loaded once per rank at the first teacher pass,
+    in `dtype`, on the policy's device, in eval mode with requires_grad off -- so it never enters the optimizer
+    and holds no optimizer state. The same interface as `SelfTeacher` (weights, copies, after_eval, state)."""
+
+    def __init__(self, path: str, dtype: str = "float32"):
+        self.path, self.dtype = os.path.expanduser(path), dtype
+        self.model: Optional[nn.Module] = None
+
+    @contextlib.contextmanager
+    def weights(self, policy: nn.Module) -> Iterator[nn.Module]:
+        if self.model is None:
+            from models.loading import load_pretrained
+
+            device = next(policy.parameters()).device
+            model, _ = load_pretrained(self.path, self.dtype)
+            self.model = model.to(device).requires_grad_(False).eval()
+        yield self.model
+
+    def copies(self, policy: nn.Module) -> int:
+        """Counted as one copy of the policy's weights by the memory check (a teacher of another size is
+        measured once it is loaded)."""
+        return 1
+
+    def after_eval(self, result: dict, policy: nn.Module) -> tuple[dict, list[str]]:
+        return {}, []
+
+    def state_dict(self) -> dict:
+        return {"teacher_path": self.path}  # the weights stay on disk: nothing of them is checkpointed
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state.get("teacher_path")
+        if saved is not None and os.path.realpath(saved) != os.path.realpath(self.path):
+            raise ValueError(f"the checkpoint was trained with algo.teacher_path={saved}, this run names {self.path}")

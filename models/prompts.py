@@ -155,3 +155,25 @@ def prompt_lengths(tokenizer: Any, texts: Sequence[str]) -> list[int]:
 def continuation_lengths(tokenizer: Any, texts: Sequence[str]) -> list[int]:
     """`len(continuation_ids(tokenizer, t))` for each text, tokenized in one batched call."""
     return [len(r) for r in tokenizer(list(texts), add_special_tokens=False).input_ids] if texts else []
+
+
+PROBE_TEXT = "The 3 quick brown foxes jumped over 12 lazy dogs; naïve café, 東京, emoji \U0001f600.\n\tx = y + 1"
+
+
+def tokenizer_mismatch(student: Any, teacher: Any) -> str | None:
+    """Why `teacher` does not tokenize as `student` does, or None: the vocabulary size, the special tokens
+    (EOS, BOS, UNK and the chat template's end of turn) and the ids of a probe text must all agree, since a
+    teacher scores the student's token ids (distillation across tokenizers is not done here)."""
+    if len(student) != len(teacher):
+        return f"vocabulary sizes differ ({len(student)} vs {len(teacher)})"
+    for name in ("eos_token_id", "bos_token_id", "unk_token_id"):
+        a, b = getattr(student, name, None), getattr(teacher, name, None)
+        if a != b:
+            return f"{name} differs ({a} vs {b})"
+    a, b = end_of_turn_id(student), end_of_turn_id(teacher)
+    if a is not None and b is not None and a != b:
+        return f"the chat templates end a turn with different ids ({a} vs {b})"
+    a, b = student(PROBE_TEXT, add_special_tokens=False).input_ids, teacher(PROBE_TEXT, add_special_tokens=False).input_ids
+    if a != b:
+        return "a probe text tokenizes to different ids"
+    return None

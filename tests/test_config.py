@@ -13,7 +13,7 @@ from tests.conftest import ROOT, tiny_config
 
 BAD_INPUTS = [
     (["+algo=sft", "trainer.max_stepz=3"], "max_stepz"),
-    (["+algo=nope"], "unknown algorithm 'nope' (available: attuner, clm, grpo, mass, opsd, qad, seed, sft, skipper, tesd)"),
+    (["+algo=nope"], "unknown algorithm 'nope' (available: attuner, clm, distill, grpo, mass, opsd, qad, seed, sft, skipper, tesd)"),
     (["trainer.max_steps=3"], "no algorithm selected"),
     (["+algo=sft", "trainer.max_steps=abc"], "trainer.max_steps=abc"),
     (["+algo=sft", "trainer.lr=-1"], "trainer.lr"),

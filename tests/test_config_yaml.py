@@ -40,6 +40,9 @@ ALGO_OVERRIDES = {
     "opsd": {"trainer.lr": 3e-5, "trainer.max_steps": 200},
     "mass": {"trainer.lr": 3e-5, "trainer.max_steps": 200},
     "tesd": {"trainer.lr": 3e-5},
+    # distill: the teacher is required (the test names a local one); its dtype resolves to model.dtype; the
+    # learning rate is OPSD's on the embedded default
+    "distill": {"algo.teacher_path": "TEACHER", "algo.teacher_dtype": "float32", "trainer.lr": 3e-5},
     # grpo: trainer.batch_size counts prompts, 8 prompts x 8 completions; lr 3e-5 (1e-4 collapsed without KL).
     "grpo": {"trainer.batch_size": 8, "trainer.lr": 3e-5},
     # seed: a starting value for full fine-tuning of the tiny default (untuned).
@@ -136,19 +139,28 @@ def test_composed_config_equals_the_defaults_except_deliberate_overrides(tmp_pat
     from algorithms import config_schemas
     from trainer.config import load_config, to_dict
 
-    cfg = load_config([f"+algo={name}"], config_schemas())
+    required = []
+    if name == "distill":  # a key without a default: a teacher with the embedded model's tokenizer
+        from models.loading import TinySpec, build_tiny
+
+        model, tok = build_tiny(TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32), seed=0)
+        model.save_pretrained(tmp_path / "teacher")
+        tok.save_pretrained(tmp_path / "teacher")
+        required = [f"algo.teacher_path={tmp_path / 'teacher'}"]
+    overrides = {k: (str(tmp_path / "teacher") if v == "TEACHER" else v) for k, v in ALGO_OVERRIDES[name].items()}
+    cfg = load_config([f"+algo={name}", *required], config_schemas())
     composed = flat(to_dict(cfg))
     task = TASK_CONFIGS[cfg.data.name]  # the algorithm's task (configs/algo/NAME.yaml may select one)
     expected = flat(to_dict(TrainConfig(data=task(), algo=config_schemas()[name]())))
     # configs/train.yaml: one output directory per algorithm (the dataclass default is outputs/run).
     expected["output_dir"] = f"outputs/{name}"
     expected.update(COMMON_OVERRIDES)
-    expected.update(ALGO_OVERRIDES[name])
+    expected.update(overrides)
     assert composed.keys() == expected.keys()
     diff = {k: (composed[k], expected[k]) for k in expected if composed[k] != expected[k]}
     assert not diff, f"+algo={name}: (composed, expected) {diff}"
     defaults = flat(to_dict(TrainConfig(data=task(), algo=config_schemas()[name]())))
-    for key, value in {**COMMON_OVERRIDES, **ALGO_OVERRIDES[name]}.items():
+    for key, value in {**COMMON_OVERRIDES, **overrides}.items():
         assert defaults.get(key) != value, f"{key}={value} is the default now: drop it from the allow-list"
 
 

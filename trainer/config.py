@@ -427,6 +427,7 @@ def validate(cfg: TrainConfig, training: bool = True) -> None:
     _validate_chat_template(cfg)
     try:
         cfg.algo.validate()  # every algorithm config checks its own values
+        _validate_teacher_model(cfg)
         if isinstance(cfg.algo, ChecksRun):  # ... and some against the budget and the model's layout
             cfg.algo.check_run(t.max_steps, model_skeleton(cfg.model))
     except ValueError as err:
@@ -494,6 +495,36 @@ def _validate_low_bit_base(cfg: TrainConfig, traits) -> None:
     if cfg.backend.name in ("fsdp", "deepspeed"):
         raise ConfigError(f"backend={cfg.backend.name}: a low-bit base (model.path={cfg.model.path}) runs under "
                           "backend=single or backend=ddp (the sharding backends shard float parameters)")
+
+
+def _validate_teacher_model(cfg: TrainConfig) -> None:
+    """A separate teacher (algo.teacher_path, TeacherModelOptions): its dtype defaults to model.dtype, and its
+    tokenizer must be the student's (models.prompts.tokenizer_mismatch) -- checked here, before any weights
+    load, with the student's tokenizer from model.path (the embedded tiny model's when unset)."""
+    from algorithms.teacher import TeacherModelOptions
+
+    algo = cfg.algo
+    if not isinstance(algo, TeacherModelOptions) or algo.teacher_path is None:
+        return
+    if algo.teacher_dtype is None:
+        algo.teacher_dtype = cfg.model.dtype
+    student_dir = os.path.expanduser(cfg.model.path) if cfg.model.path is not None else None
+    if student_dir is not None and not os.path.isdir(student_dir):
+        return  # a hub id: its tokenizer is compared with the teacher's where it loads
+    from transformers import AutoTokenizer
+
+    from models.prompts import tokenizer_mismatch
+    from models.tokenizer import build_char_tokenizer
+
+    teacher_dir = os.path.expanduser(algo.teacher_path)
+    if os.path.exists(os.path.join(teacher_dir, "adapter_config.json")) and tokenizer_problem(teacher_dir) is not None:
+        return  # an adapter dir without its own tokenizer: the base's, compared where it loads
+    student = AutoTokenizer.from_pretrained(student_dir) if student_dir else build_char_tokenizer()
+    why = tokenizer_mismatch(student, AutoTokenizer.from_pretrained(teacher_dir))
+    if why is not None:
+        raise ValueError(f"algo.teacher_path={algo.teacher_path} does not share the student's tokenizer "
+                         f"({cfg.model.path or 'the embedded tiny model'}): {why}; the teacher must score the "
+                         "student's token ids (distillation across tokenizers is not done)")
 
 
 def _validate_chat_template(cfg: TrainConfig) -> None:

@@ -44,7 +44,7 @@ def test_capabilities_are_resolved_from_the_typed_protocols():
     assert {n for n, c in caps.items() if c.exposure is not None} == {"grpo"}
     assert {n for n, c in caps.items() if c.extra_eval is not None} == {"seed", "skipper", "attuner", "grpo"}
     assert {n for n, c in caps.items() if c.eval_completions is not None} == {"attuner", "clm"}
-    assert {n for n, c in caps.items() if c.check_task is not None} == {"opsd", "mass", "tesd", "attuner", "clm",
+    assert {n for n, c in caps.items() if c.check_task is not None} == {"opsd", "mass", "tesd", "attuner", "clm", "distill",
                                                                           "sft", "grpo"}
     assert caps["grpo"].rows_per_prompt == 8 and caps["tesd"].rows_per_prompt == 5 and caps["sft"].rows_per_prompt == 1
     assert caps["seed"].summary_metrics == {"seed/mean_accepted": "mean accepted length (greedy, tokens per verify forward)"}
@@ -83,8 +83,13 @@ def test_grouped_terms_are_split_by_row_and_the_teacher_head_is_shared():
 def test_every_config_declares_traits_and_validates_its_values():
     from algorithms import REGISTRY
 
+    required = {"distill": "algo=distill needs algo.teacher_path"}  # keys without a default
     for name, (cfg, _) in REGISTRY.items():
         assert isinstance(cfg.traits, Traits), name
+        if name in required:
+            with pytest.raises(ValueError, match=required[name]):
+                cfg().validate()
+            continue
         cfg().validate()  # the defaults are valid
     with pytest.raises(ValueError, match=r"algo.mask_ratio=1.5 must be in \[0, 1\]"):
         REGISTRY["sft"][0](mask_ratio=1.5).validate()

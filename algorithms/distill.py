@@ -1,0 +1,124 @@
+"""On-policy distillation from a separate teacher model (GKD: Agarwal et al., "On-Policy Distillation of
+Language Models: Learning from Self-Generated Mistakes"; TRL's `GKDTrainer`).
+
+Per step, for each prompt: with probability `lmbda` the student samples a completion through the
+inference engine (on-policy, `temperature`, `top_p`); otherwise the row's completion is the data's own
+(the example's reference solution + EOS, as GKD's supervised share). The teacher (`teacher_path`, a
+frozen model with the student's tokenizer, algorithms/teacher.py `ModelTeacher`) scores every
+completion token in a no-grad forward, shown the student's prompt (`teacher_context=question`, plain
+distillation) or the prompt with the reference (`reference`, privileged as OPSD). The loss per
+completion token is the generalized JSD(beta) between the student's and the teacher's next-token
+distributions (beta 0: forward KL(teacher || student), 1: reverse KL), over the full vocabulary a chunk
+of tokens at a time or the teacher's top-k (`teacher_top_k`), logits divided by `temperature`, summed
+over the vocabulary and divided by the global count of completion tokens -- the self-distillation loss
+of OPSD (algorithms/selfdistill.py) with another model's weights as the teacher.
+
+    python train.py +algo=distill algo.teacher_path=outputs/sft/final
+    torchrun --nproc_per_node=2 train.py +algo=distill model=hf model.path=Qwen3-0.6B algo.teacher_path=Qwen3-8B
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+
+import torch
+from torch import nn
+
+from algorithms import losses
+from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms, Traits
+from algorithms.rollouts import encode, encode_prompt, require_references, rollout_batch, rollout_metrics, sample
+from algorithms.scoring import detached_head, teacher_hidden
+from algorithms.selfdistill import SelfDistillConfig, chunk_size, distill_loss, self_teacher, skip_leading_tokens
+from algorithms.teacher import TeacherModelOptions
+from inference.rollout import Completion
+from models.export import export_model
+from models.lora import train_all_or_lora
+
+TEACHER_CONTEXTS = ("question", "reference")
+
+
+@dataclass
+class DistillConfig(SelfDistillConfig, TeacherModelOptions):
+    traits: ClassVar[Traits] = Traits(tiny_lr=3e-5, lora=True)
+    name: str = "distill"
+    lmbda: float = 1.0  # share of rows that are on-policy (the student's sample); the rest take the data's completion
+    teacher_context: str = "question"  # question (the student's prompt) | reference (+ the reference, as OPSD)
+
+    def validate(self) -> None:
+        super().validate()
+        self.check_teacher_model()
+        if self.teacher_path is None:
+            raise ValueError("algo=distill needs algo.teacher_path=DIR (a model with the student's tokenizer)")
+        if not 0.0 <= self.lmbda <= 1.0:
+            raise ValueError(f"algo.lmbda={self.lmbda} must be in [0, 1]")
+        if self.teacher_context not in TEACHER_CONTEXTS:
+            raise ValueError(f"algo.teacher_context={self.teacher_context} is not one of {', '.join(TEACHER_CONTEXTS)}")
+
+    @property
+    def reads_references(self) -> bool:
+        """Whether rows need the data's reference: off-policy rows train on it, the privileged teacher reads it."""
+        return self.lmbda < 1.0 or self.teacher_context == "reference"
+
+
+class Distill:
+    name = "distill"
+
+    def __init__(self, cfg: DistillConfig):
+        self.cfg = cfg
+        self.teacher = self_teacher(cfg)  # the ModelTeacher of teacher_path
+        self.rng = random.Random(cfg.seed)  # which rows are on-policy (checkpointed)
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        return train_all_or_lora(model, self.cfg)
+
+    def weight_copies(self, model: nn.Module) -> int:
+        return self.teacher.copies(model)
+
+    def check_task(self, task: Any) -> None:
+        if self.cfg.reads_references:
+            require_references(task.train_examples(), self.name)
+
+    def make_batch(self, examples: Sequence[Any], ctx: RolloutContext) -> Batch:
+        c, tok, task = self.cfg, ctx.tokenizer, ctx.task
+        prompts = [encode_prompt(tok, task.prompt(ex)) for ex in examples]
+        on_policy = [self.rng.random() < c.lmbda for _ in examples]
+        sampled = iter(sample(ctx, [p for p, on in zip(prompts, on_policy) if on], c.temperature, c.top_p)
+                       if any(on_policy) else [])
+        completions = [next(sampled) if on else _reference(tok, ex) for ex, on in zip(examples, on_policy)]
+        batch = rollout_batch(prompts, completions, tok.pad_token_id, ctx.device, [ex.uid for ex in examples])
+        views = [[encode_prompt(tok, task.teacher_prompt(ex, ex.solution) if c.teacher_context == "reference"
+                                else task.prompt(ex))] for ex in examples]
+        with self.teacher.weights(ctx.policy) as teacher:
+            hidden = teacher_hidden(teacher, views, [x.tokens for x in completions], [len(p) for p in prompts],
+                                    batch.input_ids.shape[1], c.teacher_batch_size, ctx.device, batch.uids)
+            batch.teacher = TeacherTerms(hidden, detached_head(teacher))
+        if c.is_clip > 0 and not all(on_policy):  # the data's completions have no sampler log-probs: weight 1
+            batch.rollout_logprobs = None
+        batch.metrics, _ = rollout_metrics(task, tok, examples, completions, "rollout")
+        batch.metrics["distill/on_policy"] = torch.tensor(sum(on_policy) / max(len(on_policy), 1))
+        sel, head = batch.loss_mask.bool(), batch.teacher.head  # the teacher's log-prob of the rows' tokens
+        logp = losses.chunked_token_logprobs(batch.teacher.hidden[sel][:, 0], head, batch.input_ids[sel],
+                                             c.temperature, chunk_size(c, head, batch))
+        batch.metrics["distill/teacher_logprob"] = logp.mean() if logp.numel() else torch.tensor(0.0)
+        skip_leading_tokens(batch, c.skip_first_tokens)
+        return batch
+
+    def loss(self, model: nn.Module, micro: Batch, normaliser: torch.Tensor) -> StepOutput:
+        return distill_loss(model, micro, normaliser, self.cfg, prefix=self.name)
+
+    def export(self, model: nn.Module, tokenizer: Any, out_dir: str) -> None:
+        export_model(model, tokenizer, out_dir, self.name)
+
+    def state_dict(self) -> dict:
+        return {"teacher": self.teacher.state_dict(), "rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.teacher.load_state_dict(state["teacher"])
+        self.rng.setstate(state["rng"])
+
+
+def _reference(tok: Any, example: Any) -> Completion:
+    """The data's own completion of an off-policy row: the reference solution + EOS (no sampler log-probs)."""
+    tokens = encode(tok, example.solution) + [tok.eos_token_id]
+    return Completion(tokens, [0.0] * len(tokens), "stop")

@@ -1,0 +1,131 @@
+"""+algo=distill and algo.teacher_path: the loss and its gradient equal TRL GKDTrainer's generalized JSD on the
+same student and teacher logits; a named teacher's weights (not the policy's) score the tokens, for distill
+and for opsd; lmbda picks on- and off-policy rows; a teacher with another tokenizer is refused at config
+time in one line naming both models."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from algorithms.distill import Distill, DistillConfig
+from algorithms.opsd import OPSD, OPSDConfig
+from models.anatomy import final_hidden
+from models.loading import TinySpec, build_tiny
+from selfdistill_helpers import arith, ctx, tiny
+
+SPEC = TinySpec(hidden_size=48, num_layers=2, num_heads=2, intermediate_size=96)  # wider and deeper than the student
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    """A teacher with the student's (char) tokenizer and weights of its own (another seed, another width)."""
+    path = tmp_path_factory.mktemp("teacher")
+    model, tok = build_tiny(SPEC, seed=7)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def loaded(path):
+    from models.loading import load_pretrained
+
+    return load_pretrained(path)[0].eval()
+
+
+@pytest.mark.slow  # imports TRL's GKD trainer (~7 s)
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_loss_and_gradient_equal_trl_gkd_on_the_same_logits(teacher_dir, beta):
+    gkd = pytest.importorskip("trl.experimental.gkd.gkd_trainer")
+    model, tok = tiny()
+    task = arith(steps=1)
+    algo = Distill(DistillConfig(teacher_path=teacher_dir, beta=beta, teacher_dtype="float32"))
+    batch = algo.make_batch(task.train_examples()[:3], ctx(model, tok, task))
+    normaliser = batch.num_targets().float()
+    model.zero_grad()
+    ours = algo.loss(model, batch, normaliser).loss
+    ours.backward()
+    ours_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    # TRL: logits at t - 1 predict token t; tokens outside the loss are labelled -100
+    teacher = loaded(teacher_dir)
+    ids, attn = batch.input_ids, batch.attention_mask
+    labels = ids[:, 1:].masked_fill(batch.loss_mask[:, 1:] == 0, -100)
+    model.zero_grad()
+    student_logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids=ids, attention_mask=attn).logits[:, :-1]
+    ref = gkd.GKDTrainer.generalized_jsd_loss(student_logits, teacher_logits, labels=labels, beta=beta,
+                                              temperature=algo.cfg.temperature)
+    ref.backward()
+    assert ours.item() > 0 and torch.allclose(ours, ref, atol=1e-6), (ours.item(), ref.item())
+    for name, grad in ours_grads.items():
+        assert torch.allclose(grad, dict(model.named_parameters())[name].grad, atol=1e-6), name
+
+
+def test_the_named_teacher_scores_the_tokens_not_the_policy(teacher_dir):
+    model, tok = tiny()
+    task = arith(steps=1)
+    teacher = loaded(teacher_dir)
+    for algo in (Distill(DistillConfig(teacher_path=teacher_dir, teacher_dtype="float32")),
+                 OPSD(OPSDConfig(teacher_path=teacher_dir, teacher_dtype="float32"))):
+        batch = algo.make_batch(task.train_examples()[:2], ctx(model, tok, task))
+        assert torch.equal(batch.teacher.head[0], teacher.lm_head.weight)  # the teacher's own head ...
+        assert batch.teacher.hidden.shape[-1] == SPEC.hidden_size != model.config.hidden_size  # ... and states
+        assert algo.teacher.model is not model and not any(p.requires_grad for p in algo.teacher.model.parameters())
+    # distill's teacher sees the student's prompt: its states are the teacher's forward over the same row
+    batch = Distill(DistillConfig(teacher_path=teacher_dir, teacher_dtype="float32")).make_batch(
+        task.train_examples()[:1], ctx(model, tok, task))
+    row = batch.input_ids[:, :int(batch.attention_mask.sum())]
+    with torch.no_grad():
+        expected = final_hidden(teacher, row, torch.ones_like(row))  # (1, T, H)
+    sel = batch.loss_mask[:, :row.shape[1]].bool()
+    got = batch.teacher.hidden[:, :row.shape[1], 0][sel]  # stored at token t: the state that predicts it ...
+    shifted = torch.cat([torch.zeros_like(expected[:, :1]), expected[:, :-1]], dim=1)  # ... the teacher's at t - 1
+    assert torch.allclose(got, shifted[sel], atol=1e-5)
+
+
+def test_lmbda_mixes_on_policy_samples_with_the_datas_completions(teacher_dir):
+    model, tok = tiny()
+    task = arith(steps=1)
+    examples = task.train_examples()[:8]
+    off = Distill(DistillConfig(teacher_path=teacher_dir, lmbda=0.0, teacher_dtype="float32"))
+    batch = off.make_batch(examples, ctx(model, tok, task))
+    assert batch.metrics["distill/on_policy"].item() == 0.0
+    for i, ex in enumerate(examples):  # every row is prompt + the reference solution + EOS
+        tokens = batch.input_ids[i][batch.loss_mask[i].bool()].tolist()
+        assert tokens == tok(ex.solution, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    half = Distill(DistillConfig(teacher_path=teacher_dir, lmbda=0.5, teacher_dtype="float32", seed=1))
+    share = half.make_batch(examples, ctx(model, tok, task)).metrics["distill/on_policy"].item()
+    assert 0.0 < share < 1.0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algo.teacher_path=/nowhere/teacher"], r"algo.teacher_path=/nowhere/teacher: /nowhere/teacher does not exist"),
+    ([], r"algo=distill needs algo.teacher_path=DIR"),
+    (["algo.lmbda=1.5", "algo.teacher_path=TEACHER"], r"algo.lmbda=1.5 must be in \[0, 1\]"),
+    (["algo.teacher_context=both", "algo.teacher_path=TEACHER"], r"algo.teacher_context=both is not one of"),
+])
+def test_bad_distill_settings_are_one_config_line(tmp_path, teacher_dir, overrides, message):
+    from tests.conftest import tiny_config
+    from trainer.config import ConfigError
+
+    overrides = [o.replace("TEACHER", teacher_dir) for o in overrides]
+    with pytest.raises(ConfigError, match=message) as err:
+        tiny_config(tmp_path / "run", *overrides, algo="distill")
+    assert "\n" not in str(err.value)
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path, teacher_dir):
+    from models.tokenizer import build_char_tokenizer
+    from tests.conftest import tiny_config
+    from trainer.config import ConfigError
+
+    other = tmp_path / "other"
+    model, _ = build_tiny(SPEC, seed=0)
+    tok = build_char_tokenizer("abcdefghijklmnopqrstuvwxyz0123456789 \n.,:;?!'+-*/=()#_[]<>|@")  # one more char
+    model.save_pretrained(other)
+    tok.save_pretrained(other)
+    with pytest.raises(ConfigError, match=rf"algo.teacher_path={other} does not share the student's tokenizer "
+                                          r"\(the embedded tiny model\): vocabulary sizes differ"):
+        tiny_config(tmp_path / "run", f"algo.teacher_path={other}", algo="distill")
+    cfg = tiny_config(tmp_path / "ok", f"algo.teacher_path={teacher_dir}", algo="opsd")  # the same tokenizer
+    assert cfg.algo.teacher_dtype == cfg.model.dtype  # unset: the run's compute dtype
