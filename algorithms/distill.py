@@ -34,6 +34,7 @@ from algorithms.teacher import TeacherModelOptions
 from inference.rollout import Completion
 from models.export import export_model
 from models.lora import train_all_or_lora
+from tasks import task_capabilities
 
 TEACHER_CONTEXTS = ("question", "reference")
 
@@ -63,11 +64,32 @@ class DistillConfig(SelfDistillConfig, TeacherModelOptions):
 
 class Distill:
     name = "distill"
+    summary_metrics = {"distill/teacher_accuracy": "the teacher's held-out accuracy (greedy; the student's ceiling)"}
 
     def __init__(self, cfg: DistillConfig):
         self.cfg = cfg
         self.teacher = self_teacher(cfg)  # the ModelTeacher of teacher_path
         self.rng = random.Random(cfg.seed)  # which rows are on-policy (checkpointed)
+        self.teacher_accuracy: float | None = None  # measured once, at the first eval
+
+    def extra_eval(self, model: nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any],
+                   max_new_tokens: int) -> dict[str, float]:
+        """The teacher's greedy held-out accuracy on the student's prompts (the first trainer.extra_eval_examples
+        held-out examples), measured at the first eval and logged beside the student's at every eval; empty
+        when the task has no verifier."""
+        from inference.serving import ServeOptions, serve_model
+
+        if not examples or not task_capabilities(task).verifiable:
+            return {}
+        if self.teacher_accuracy is None:
+            with self.teacher.weights(model) as teacher:
+                server = serve_model(teacher, ServeOptions(), tokenizer)
+                prompts = [encode_prompt(tokenizer, task.prompt(ex)) for ex in examples]
+                outs = server.generate(prompts, server.params(max_new_tokens=max_new_tokens, temperature=0.0))
+            right = [task.verify(ex, tokenizer.decode(o.tokens, skip_special_tokens=True)).correct
+                     for ex, o in zip(examples, outs)]
+            self.teacher_accuracy = sum(right) / len(right)
+        return {"distill/teacher_accuracy": self.teacher_accuracy}
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         return train_all_or_lora(model, self.cfg)
@@ -111,11 +133,13 @@ class Distill:
         export_model(model, tokenizer, out_dir, self.name)
 
     def state_dict(self) -> dict:
-        return {"teacher": self.teacher.state_dict(), "rng": self.rng.getstate()}
+        return {"teacher": self.teacher.state_dict(), "rng": self.rng.getstate(),
+                "teacher_accuracy": self.teacher_accuracy}
 
     def load_state_dict(self, state: dict) -> None:
         self.teacher.load_state_dict(state["teacher"])
         self.rng.setstate(state["rng"])
+        self.teacher_accuracy = state.get("teacher_accuracy")
 
 
 def _reference(tok: Any, example: Any) -> Completion:

@@ -42,7 +42,8 @@ def test_capabilities_are_resolved_from_the_typed_protocols():
     caps = {name: capabilities(build_algorithm(cfg())) for name, (cfg, _) in REGISTRY.items()}
     assert {n for n, c in caps.items() if c.share_prompts is not None} == {"grpo"}
     assert {n for n, c in caps.items() if c.exposure is not None} == {"grpo"}
-    assert {n for n, c in caps.items() if c.extra_eval is not None} == {"seed", "skipper", "attuner", "grpo"}
+    assert {n for n, c in caps.items() if c.extra_eval is not None} == {"seed", "skipper", "attuner", "grpo",
+                                                                              "distill"}
     assert {n for n, c in caps.items() if c.eval_completions is not None} == {"attuner", "clm"}
     assert {n for n, c in caps.items() if c.check_task is not None} == {"opsd", "mass", "tesd", "attuner", "clm", "distill",
                                                                           "sft", "grpo"}

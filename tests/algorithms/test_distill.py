@@ -129,3 +129,33 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path, teach
         tiny_config(tmp_path / "run", f"algo.teacher_path={other}", algo="distill")
     cfg = tiny_config(tmp_path / "ok", f"algo.teacher_path={teacher_dir}", algo="opsd")  # the same tokenizer
     assert cfg.algo.teacher_dtype == cfg.model.dtype  # unset: the run's compute dtype
+
+
+def test_the_teachers_held_out_accuracy_is_measured_once_as_the_ceiling(teacher_dir, monkeypatch):
+    import inference.serving
+    from inference.serving import ServeOptions, serve_model
+    from models.prompts import prompt_ids
+
+    model, tok = tiny()
+    task = arith(steps=1)
+    examples = task.test_examples()[:4]
+    algo = Distill(DistillConfig(teacher_path=teacher_dir, teacher_dtype="float32"))
+    seen, verify, served = [], task.verify, []
+    task.verify = lambda ex, text: seen.append(text) or verify(ex, text)  # the texts the eval verifies
+    monkeypatch.setattr(inference.serving, "serve_model", lambda m, *a: served.append(m) or serve_model(m, *a))
+    first = algo.extra_eval(model, tok, task, examples, 16)["distill/teacher_accuracy"]
+    task.verify = verify
+    monkeypatch.undo()
+    assert served == [algo.teacher.model] and served[0] is not model  # decoded by the teacher, not the student
+
+    def greedy(m):
+        server = serve_model(m, ServeOptions(), tok)
+        outs = server.generate([prompt_ids(tok, task.prompt(ex)) for ex in examples],
+                               server.params(max_new_tokens=16, temperature=0.0))
+        return [tok.decode(o.tokens, skip_special_tokens=True) for o in outs]
+
+    teacher_texts = greedy(loaded(teacher_dir))  # the teacher decoded on its own
+    assert seen == teacher_texts
+    assert first == sum(task.verify(ex, t).correct for ex, t in zip(examples, teacher_texts)) / len(examples)
+    algo.teacher.model.lm_head.weight.data.zero_()  # measured once: a later eval reports the same figure
+    assert algo.extra_eval(model, tok, task, examples, 16)["distill/teacher_accuracy"] == first
