@@ -61,6 +61,9 @@ class DistillConfig(SelfDistillConfig, TeacherModelOptions):
         """Whether rows need the data's reference: off-policy rows train on it, the privileged teacher reads it."""
         return self.lmbda < 1.0 or self.teacher_context == "reference"
 
+    def teacher_reads_references(self) -> bool:
+        return self.reads_references
+
 
 class Distill:
     name = "distill"

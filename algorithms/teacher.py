@@ -143,6 +143,11 @@ class TeacherModelOptions:
     teacher_path: Optional[str] = None
     teacher_dtype: Optional[str] = None  # float32 | bfloat16 | float16; null = model.dtype
 
+    def teacher_reads_references(self) -> bool:
+        """Whether the rows this config trains need the data's reference solutions beyond what its traits say
+        (distill: off-policy rows, the privileged teacher prompt); checked against the data at config time."""
+        return False
+
     def check_teacher_model(self) -> None:
         """The path exists and is a model dir, and the dtype is known (ValueError naming the key)."""
         if self.teacher_dtype is not None and self.teacher_dtype not in TEACHER_DTYPES:

@@ -508,6 +508,15 @@ def _validate_teacher_model(cfg: TrainConfig) -> None:
         return
     if algo.teacher_dtype is None:
         algo.teacher_dtype = cfg.model.dtype
+    problem = cfg.data.reference_problem() if algo.teacher_reads_references() else None
+    if problem is not None:
+        raise ValueError(f"algo {cfg.algo.name} reads reference solutions here (algo.lmbda < 1 trains on them, "
+                         f"algo.teacher_context=reference shows them to the teacher), but {problem}")
+    teacher_dir = os.path.expanduser(algo.teacher_path)
+    positions = _config_value(teacher_dir, "max_position_embeddings")
+    if isinstance(positions, int) and cfg.data.max_length is not None and positions < cfg.data.max_length:
+        raise ValueError(f"algo.teacher_path={algo.teacher_path} has {positions} positions, fewer than data.max_length="
+                         f"{cfg.data.max_length}: the teacher must read every training row")
     student_dir = os.path.expanduser(cfg.model.path) if cfg.model.path is not None else None
     if student_dir is not None and not os.path.isdir(student_dir):
         return  # a hub id: its tokenizer is compared with the teacher's where it loads
@@ -516,7 +525,6 @@ def _validate_teacher_model(cfg: TrainConfig) -> None:
     from models.prompts import tokenizer_mismatch
     from models.tokenizer import build_char_tokenizer
 
-    teacher_dir = os.path.expanduser(algo.teacher_path)
     if os.path.exists(os.path.join(teacher_dir, "adapter_config.json")) and tokenizer_problem(teacher_dir) is not None:
         return  # an adapter dir without its own tokenizer: the base's, compared where it loads
     student = AutoTokenizer.from_pretrained(student_dir) if student_dir else build_char_tokenizer()
@@ -525,6 +533,18 @@ def _validate_teacher_model(cfg: TrainConfig) -> None:
         raise ValueError(f"algo.teacher_path={algo.teacher_path} does not share the student's tokenizer "
                          f"({cfg.model.path or 'the embedded tiny model'}): {why}; the teacher must score the "
                          "student's token ids (distillation across tokenizers is not done)")
+
+
+def _config_value(path: str, key: str) -> Any:
+    """`key` of the model dir's config.json (a multimodal config's text_config too), or None."""
+    import json
+
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
+            config = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return config.get(key, (config.get("text_config") or {}).get(key))
 
 
 def _validate_chat_template(cfg: TrainConfig) -> None:

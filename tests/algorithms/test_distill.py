@@ -103,6 +103,10 @@ def test_lmbda_mixes_on_policy_samples_with_the_datas_completions(teacher_dir):
     ([], r"algo=distill needs algo.teacher_path=DIR"),
     (["algo.lmbda=1.5", "algo.teacher_path=TEACHER"], r"algo.lmbda=1.5 must be in \[0, 1\]"),
     (["algo.teacher_context=both", "algo.teacher_path=TEACHER"], r"algo.teacher_context=both is not one of"),
+    (["algo.teacher_context=reference", "algo.teacher_path=TEACHER", "data=text", "data.path=x.jsonl",
+      "data.solution_field=null"], r"algo distill reads reference solutions here .* but data.solution_field is empty"),
+    (["algo.teacher_path=TEACHER", "data.max_length=100000"],
+     r"algo.teacher_path=.* has \d+ positions, fewer than data.max_length=100000"),
 ])
 def test_bad_distill_settings_are_one_config_line(tmp_path, teacher_dir, overrides, message):
     from tests.conftest import tiny_config
