@@ -130,7 +130,8 @@ def steps_section(args, model_dir: str) -> dict:
     from trainer.loop import fit
     from trainer.setup import build_session
 
-    data = {"attuner": ["data=artifacts"], "clm": ["data=clm"]}
+    # each algorithm's own overrides: its task, or distill's teacher (the model itself: the same tokenizer)
+    data = {"attuner": ["data=artifacts"], "clm": ["data=clm"], "distill": [f"algo.teacher_path={model_dir}"]}
     out: dict = {}
     for name in sorted(REGISTRY):
         start = time.perf_counter()
