@@ -54,9 +54,8 @@ def main(argv: list[str]) -> int:
         examples = list(task.test_examples())[: cfg.trainer.eval_examples]
         caps, result = task_capabilities(task), {}
         with Precision(cfg.model.dtype).autocast(world.device):  # as a training run's evals (trainer/precision.py)
-            scored = [ex for ex in examples if ex.solution] if caps.row_tokens is not None else []
-            if scored:  # data=chat: the loss of its held-out rows, as the trainer's eval reports it
-                result.update(heldout_loss(model.eval(), caps.row_tokens, scored, world, tokenizer.pad_token_id))
+            if caps.row_tokens is not None:  # data=chat: the loss of its held-out rows, as the trainer's eval reports it
+                result.update(heldout_loss(model.eval(), caps.row_tokens, examples, world, tokenizer.pad_token_id))
             if caps.verifiable:
                 result.update(evaluate(model.eval(), tokenizer, task, examples, world,
                                        cfg.trainer.eval_max_new_tokens, engine=server))

@@ -27,7 +27,8 @@ from torch import nn
 
 from algorithms import losses
 from algorithms.base import Batch, RolloutContext, StepOutput, TeacherTerms, Traits
-from algorithms.rollouts import encode, encode_prompt, require_references, rollout_batch, rollout_metrics, sample
+from algorithms.rollouts import (encode, encode_prompt, greedy_completions, require_references, rollout_batch,
+                                rollout_metrics, sample)
 from algorithms.scoring import detached_head, teacher_hidden
 from algorithms.selfdistill import SelfDistillConfig, chunk_size, distill_loss, self_teacher, skip_leading_tokens
 from algorithms.teacher import TeacherModelOptions
@@ -56,13 +57,9 @@ class DistillConfig(SelfDistillConfig, TeacherModelOptions):
         if self.teacher_context not in TEACHER_CONTEXTS:
             raise ValueError(f"algo.teacher_context={self.teacher_context} is not one of {', '.join(TEACHER_CONTEXTS)}")
 
-    @property
-    def reads_references(self) -> bool:
-        """Whether rows need the data's reference: off-policy rows train on it, the privileged teacher reads it."""
-        return self.lmbda < 1.0 or self.teacher_context == "reference"
-
     def teacher_reads_references(self) -> bool:
-        return self.reads_references
+        """Rows need the data's reference: off-policy rows train on it, the privileged teacher reads it."""
+        return self.lmbda < 1.0 or self.teacher_context == "reference"
 
 
 class Distill:
@@ -80,15 +77,11 @@ class Distill:
         """The teacher's greedy held-out accuracy on the student's prompts (the first trainer.extra_eval_examples
         held-out examples), measured at the first eval and logged beside the student's at every eval; empty
         when the task has no verifier."""
-        from inference.serving import ServeOptions, serve_model
-
         if not examples or not task_capabilities(task).verifiable:
             return {}
         if self.teacher_accuracy is None:
             with self.teacher.weights(model) as teacher:
-                server = serve_model(teacher, ServeOptions(), tokenizer)
-                prompts = [encode_prompt(tokenizer, task.prompt(ex)) for ex in examples]
-                outs = server.generate(prompts, server.params(max_new_tokens=max_new_tokens, temperature=0.0))
+                outs = greedy_completions(teacher, tokenizer, task, examples, max_new_tokens)
             right = [task.verify(ex, tokenizer.decode(o.tokens, skip_special_tokens=True)).correct
                      for ex, o in zip(examples, outs)]
             self.teacher_accuracy = sum(right) / len(right)
@@ -101,7 +94,7 @@ class Distill:
         return self.teacher.copies(model)
 
     def check_task(self, task: Any) -> None:
-        if self.cfg.reads_references:
+        if self.cfg.teacher_reads_references():
             require_references(task.train_examples(), self.name)
 
     def make_batch(self, examples: Sequence[Any], ctx: RolloutContext) -> Batch:

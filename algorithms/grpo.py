@@ -47,7 +47,7 @@ from algorithms.base import (Batch, LossChunking, PolicyTerms, RolloutContext, R
                              Traits)
 from algorithms.dynamic_sampling import DynamicSampling, ReferenceAndRetirementState, Retirement, fill_groups
 from algorithms.rewards import RewardFunctions, build_rewards, call_rewards, combine, reward_inputs, reward_metrics
-from algorithms.rollouts import encode_prompt, rollout_batch, sample
+from algorithms.rollouts import encode_prompt, greedy_completions, rollout_batch, sample
 from algorithms.losses import k3_kl
 from algorithms.scoring import policy_logprobs, scatter_tokens, student_features
 from algorithms.teacher import SelfTeacher
@@ -294,13 +294,9 @@ class GRPO(ReferenceAndRetirementState):
         """With reward functions of the user's: the reward of greedy completions of held-out prompts (`reward`,
         and each function's `rewards/NAME/mean`; TRL's eval reward), the figure a task without reference
         answers has. Empty when the verifier is the only reward (the eval's accuracy says it)."""
-        from inference.serving import ServeOptions, serve_model
-
         if all(r.fn is None for r in self.rewards) or not examples:
             return {}
-        server = serve_model(model, ServeOptions(), tokenizer)
-        prompts = [encode_prompt(tokenizer, task.prompt(ex)) for ex in examples]
-        outs = server.generate(prompts, server.params(max_new_tokens=max_new_tokens, temperature=0.0))
+        outs = greedy_completions(model, tokenizer, task, examples, max_new_tokens)
         _, _, metrics = self.reward_metrics(self.score(examples, outs, tokenizer, task))
         return {"reward": float(metrics["rollout/reward"]),
                 **{k: float(v) for k, v in metrics.items() if k.startswith("rewards/") and k.endswith("/mean")}}

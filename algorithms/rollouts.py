@@ -43,6 +43,17 @@ def sample(ctx: RolloutContext, prompts: list[list[int]], temperature: float, to
     return completions
 
 
+def greedy_completions(model: Any, tokenizer: Any, task: Any, examples: Sequence[Any], max_new_tokens: int
+                       ) -> list[Any]:
+    """Greedy completions of `examples`' student prompts by `model` behind the serving door, stopping on its stop
+    ids (an algorithm's extra eval: GRPO's held-out reward, distill's teacher accuracy)."""
+    from inference.serving import ServeOptions, serve_model
+
+    server = serve_model(model, ServeOptions(), tokenizer)
+    prompts = [encode_prompt(tokenizer, task.prompt(ex)) for ex in examples]
+    return server.generate(prompts, server.params(max_new_tokens=max_new_tokens, temperature=0.0))
+
+
 def rollout_batch(prompts: list[list[int]], completions: Sequence[Any], pad_id: int, device: torch.device,
                   uids: list[str]) -> Batch:
     """prompt + completion rows; loss on completion tokens; the sampler's log-probs kept for the gap check."""

@@ -352,6 +352,7 @@ class ChatTask:
         self.mask_token = CHAT_MASK_TOKEN
         self.tokenizer, self.chat = None, False
         self._tokens: dict[str, tuple[list[int], list[int]]] = {}
+        self._lengths: dict[str, tuple[int, int]] = {}  # row_lengths, read by the length limits and the memory check
         train = self._examples(load_split(path, train_split, hub_config, revision), path, train_split)
         test = None
         if test_path:
@@ -398,7 +399,8 @@ class ChatTask:
     def bind(self, tokenizer: Any, chat: bool) -> "ChatTask":
         """A copy that renders with `tokenizer` (`chat`: its chat template for conversational rows)."""
         bound = copy.copy(self)
-        bound.tokenizer, bound.chat, bound._tokens = tokenizer, chat and has_chat_template(tokenizer), {}
+        bound.tokenizer, bound.chat = tokenizer, chat and has_chat_template(tokenizer)
+        bound._tokens, bound._lengths = {}, {}
         return bound
 
     @property
@@ -422,14 +424,16 @@ class ChatTask:
         for the length limits (tasks/lengths.py)."""
         from models.prompts import prompt_ids
 
+        if example.uid in self._lengths:
+            return self._lengths[example.uid]
         row = example.row
         prompt = 0 if row.format == "text" else len(prompt_ids(self.tokenizer, self.prompt(example)))
-        if not row.completion:
-            return prompt, prompt + 1
         try:
-            return prompt, len(row_tokens(row, self.tokenizer, self.chat, "all")[0])
+            whole = len(row_tokens(row, self.tokenizer, self.chat, "all")[0]) if row.completion else prompt + 1
         except DataError as e:
             raise DataError(f"{example.uid}: {e}") from None
+        self._lengths[example.uid] = (prompt, whole)
+        return prompt, whole
 
     # -- the Task protocol --------------------------------------------------------------------
 

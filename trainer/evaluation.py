@@ -85,12 +85,17 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequen
     return out
 
 
+def scored_rows(examples: Sequence[Any]) -> list[Any]:
+    """The held-out examples whose row has a completion to score (prompt-only rows have none)."""
+    return [ex for ex in examples if ex.solution]
+
+
 def heldout_loss(model: torch.nn.Module, rows: Callable[[Any], tuple[list[int], list[int]]], examples: Sequence[Any],
                  world: World, pad_id: int) -> dict[str, float]:
-    """Mean negative log-likelihood per loss token of `examples`' rows (`rows(ex)` -> ids, loss mask: the
-    task's SFT rows, TRL's `eval_loss`), this rank's share forwarded, the sums reduced over ranks.
-    Returns loss, loss_tokens and n."""
-    mine = list(examples)[world.rank :: world.size]
+    """Mean negative log-likelihood per loss token of the rows of `examples` that have a completion
+    (`rows(ex)` -> ids, loss mask: the task's SFT rows, TRL's `eval_loss`), this rank's share forwarded, the
+    sums reduced over ranks. Returns loss, loss_tokens and n; empty when no row has a completion."""
+    mine = scored_rows(examples)[world.rank :: world.size]
     device = next(model.parameters()).device
     nll = torch.zeros((), dtype=torch.float64)
     tokens = 0
@@ -103,4 +108,4 @@ def heldout_loss(model: torch.nn.Module, rows: Callable[[Any], tuple[list[int], 
             nll -= (logprobs.double() * mask).sum().cpu()
             tokens += int(mask.sum())
     nll, tokens, n = world.all_reduce_sum(torch.tensor([nll.item(), tokens, len(mine)], dtype=torch.float64)).tolist()
-    return {"loss": nll / max(tokens, 1), "loss_tokens": int(tokens), "n": int(n)}
+    return {"loss": nll / max(tokens, 1), "loss_tokens": int(tokens), "n": int(n)} if n else {}

@@ -284,9 +284,7 @@ def _run_eval(s: Session) -> dict:
     caps = task_capabilities(s.task)
     result = {}
     if caps.row_tokens is not None:  # data=chat: the loss on its held-out rows (TRL's eval_loss)
-        scored = [ex for ex in examples if ex.solution]  # prompt-only rows have no completion to score
-        if scored:
-            result = heldout_loss(model, caps.row_tokens, scored, s.world, s.tokenizer.pad_token_id)
+        result = heldout_loss(model, caps.row_tokens, examples, s.world, s.tokenizer.pad_token_id)
     if caps.verifiable:
         result.update(evaluate(model, s.tokenizer, s.task, examples, s.world, t.eval_max_new_tokens,
                                engine_config=engine, generate=generate))

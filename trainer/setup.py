@@ -29,6 +29,7 @@ from trainer import checkpoint, default_model
 from trainer.backends import build_backend
 from trainer.config import ModelConfig, TrainConfig, to_dict
 from trainer.distributed import World
+from trainer.evaluation import scored_rows
 from trainer.loop import Session, resume
 from trainer.precision import Precision, masters
 from trainer.prompt_sharing import shared_prompt_logprobs
@@ -88,9 +89,8 @@ def check_heldout_rows(task) -> None:
         if "no test split" in str(err):  # a run without evals: eval says so where it asks
             return
         raise
-    for ex in examples:
-        if ex.solution:  # prompt-only rows have no completion to score
-            rows(ex)
+    for ex in scored_rows(examples):
+        rows(ex)
 
 
 def model_positions(model) -> int | None:

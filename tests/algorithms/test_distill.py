@@ -163,3 +163,33 @@ def test_the_teachers_held_out_accuracy_is_measured_once_as_the_ceiling(teacher_
     assert first == sum(task.verify(ex, t).correct for ex, t in zip(examples, teacher_texts)) / len(examples)
     algo.teacher.model.lm_head.weight.data.zero_()  # measured once: a later eval reports the same figure
     assert algo.extra_eval(model, tok, task, examples, 16)["distill/teacher_accuracy"] == first
+
+
+@pytest.mark.slow  # four 2-step runs through the trainer: ~15 s
+@pytest.mark.parametrize("algo, extra", [
+    ("distill", ["algo.lmbda=0.5", "algo.teacher_dtype=bfloat16"]),  # mixed rows, a bf16 teacher under an fp32 student
+    ("distill", ["model.dtype=bfloat16", "algo.teacher_context=reference"]),  # the teacher in the run's dtype
+    ("opsd", []),
+    ("mass", ["algo.num_views=2"]),
+], ids=["distill-mixed-bf16-teacher", "distill-bf16-reference", "opsd", "mass"])
+def test_a_named_teacher_trains_through_the_trainer_on_padded_batches(tmp_path, teacher_dir, algo, extra):
+    import json
+
+    from tests.conftest import tiny_config
+    from trainer.distributed import World
+    from trainer.loop import fit
+    from trainer.setup import build_session
+
+    cfg = tiny_config(tmp_path / "run", f"algo.teacher_path={teacher_dir}", "trainer.max_steps=2",
+                      "trainer.batch_size=4", "trainer.micro_batch_size=2", "trainer.max_new_tokens=16",
+                      "trainer.eval_max_new_tokens=16", "trainer.eval_every=2", *extra, algo=algo)
+    session = build_session(cfg, World())
+    assert fit(session) == "done"
+    assert session.algo.teacher.model is not None  # the named model was loaded and used
+    train = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+             if r["split"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert r[f"{algo}/divergence"] >= 0 and r["loss"] == r["loss"] and r["grad_norm"] > 0
+    if "algo.lmbda=0.5" in extra:
+        assert {r["distill/on_policy"] for r in train} != {1.0}  # some rows were the data's own
