@@ -290,9 +290,19 @@ class ShapesRows(Protocol):
 
 @runtime_checkable
 class KeepsCopies(Protocol):
-    def weight_copies(self, model: Any) -> int:
+    def weight_copies(self, model: Any) -> float:
         """How many full copies of the prepared `model`'s weights the algorithm keeps beside it during the
-        run (a frozen or EMA teacher, a KL reference), for the pre-flight memory check. Without it: none."""
+        run (a frozen or EMA teacher, a KL reference; a separate teacher as its bytes over the model's), for
+        the pre-flight memory check. Without it: none."""
+
+
+@runtime_checkable
+class KeepsFrozenModels(Protocol):
+    def place_frozen(self, place: Callable[[Any], Any]) -> None:
+        """Takes the backend's placement for models the algorithm loads beside the policy (a separate
+        teacher): `place(model)` shards a frozen model like the trained one under FSDP and ZeRO-3 (every
+        forward of it is then a collective of all ranks) and returns it whole otherwise. Called once at
+        setup, after the backend is built and before the first step."""
 
 
 @runtime_checkable
@@ -337,7 +347,9 @@ class Capabilities:
     eval_completions: Optional[Callable[..., list]] = None
     zero_loss: Optional[Callable[[Batch], bool]] = None
     row_shape: Optional[Callable[[], RowShape]] = None
-    weight_copies: Optional[Callable[[Any], int]] = None
+    weight_copies: Optional[Callable[[Any], float]] = None
+    place_frozen: Optional[Callable[[Callable[[Any], Any]], None]] = None
+    extra_eval_every_rank: bool = False  # extra_eval runs on every rank (its models are sharded collectives)
     rank_state: Optional[Callable[[], dict]] = None
     load_rank_state: Optional[Callable[[dict], None]] = None
     after_eval: Optional[Callable[..., tuple[dict, list[str]]]] = None
@@ -363,6 +375,8 @@ def capabilities(algo: Any) -> Capabilities:
         zero_loss=algo.zero_loss if isinstance(algo, KnowsZeroLoss) else None,
         row_shape=algo.row_shape if isinstance(algo, ShapesRows) else None,
         weight_copies=algo.weight_copies if isinstance(algo, KeepsCopies) else None,
+        place_frozen=algo.place_frozen if isinstance(algo, KeepsFrozenModels) else None,
+        extra_eval_every_rank=bool(getattr(algo, "extra_eval_every_rank", False)) if extra else False,
         rank_state=algo.rank_state_dict if isinstance(algo, KeepsRankState) else None,
         load_rank_state=algo.load_rank_state_dict if isinstance(algo, KeepsRankState) else None,
         after_eval=algo.after_eval if isinstance(algo, WatchesEval) else None,

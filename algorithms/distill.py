@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 from torch import nn
@@ -31,7 +31,7 @@ from algorithms.rollouts import (encode, encode_prompt, greedy_completions, requ
                                 rollout_metrics, sample)
 from algorithms.scoring import detached_head, teacher_hidden
 from algorithms.selfdistill import SelfDistillConfig, chunk_size, distill_loss, self_teacher, skip_leading_tokens
-from algorithms.teacher import TeacherModelOptions
+from algorithms.teacher import TeacherModelOptions, lockstep_greedy
 from inference.rollout import Completion
 from models.export import export_model
 from models.lora import train_all_or_lora
@@ -72,26 +72,37 @@ class Distill:
         self.rng = random.Random(cfg.seed)  # which rows are on-policy (checkpointed)
         self.teacher_accuracy: float | None = None  # measured once, at the first eval
 
+    extra_eval_every_rank = True  # a sharded teacher decodes only with every rank taking part
+
     def extra_eval(self, model: nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any],
                    max_new_tokens: int) -> dict[str, float]:
         """The teacher's greedy held-out accuracy on the student's prompts (the first trainer.extra_eval_examples
         held-out examples), measured at the first eval and logged beside the student's at every eval; empty
-        when the task has no verifier."""
+        when the task has no verifier. Called on every rank: a whole teacher decodes on the main rank alone
+        (the others return nothing), a sharded one on every rank together over the same prompts."""
         if not examples or not task_capabilities(task).verifiable:
             return {}
         if self.teacher_accuracy is None:
             with self.teacher.weights(model) as teacher:
-                outs = greedy_completions(teacher, tokenizer, task, examples, max_new_tokens)
-            right = [task.verify(ex, tokenizer.decode(o.tokens, skip_special_tokens=True)).correct
-                     for ex, o in zip(examples, outs)]
+                if self.teacher.sharded:
+                    texts = lockstep_greedy(teacher, tokenizer, [task.prompt(ex) for ex in examples], max_new_tokens)
+                elif not _is_main():
+                    return {}
+                else:
+                    texts = [tokenizer.decode(o.tokens, skip_special_tokens=True)
+                             for o in greedy_completions(teacher, tokenizer, task, examples, max_new_tokens)]
+            right = [task.verify(ex, text).correct for ex, text in zip(examples, texts)]
             self.teacher_accuracy = sum(right) / len(right)
         return {"distill/teacher_accuracy": self.teacher_accuracy}
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         return train_all_or_lora(model, self.cfg)
 
-    def weight_copies(self, model: nn.Module) -> int:
+    def weight_copies(self, model: nn.Module) -> float:
         return self.teacher.copies(model)
+
+    def place_frozen(self, place: Callable[[nn.Module], nn.Module]) -> None:
+        self.teacher.place_frozen(place)  # sharded like the student under FSDP / ZeRO-3
 
     def check_task(self, task: Any) -> None:
         if self.cfg.teacher_reads_references():
@@ -136,6 +147,12 @@ class Distill:
         self.teacher.load_state_dict(state["teacher"])
         self.rng.setstate(state["rng"])
         self.teacher_accuracy = state.get("teacher_accuracy")
+
+
+def _is_main() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _reference(tok: Any, example: Any) -> Completion:

@@ -47,7 +47,7 @@ import math
 import random
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -277,9 +277,13 @@ class MASS:
     def prepare_model(self, model: nn.Module) -> nn.Module:
         return train_all_or_lora(model, self.cfg)
 
-    def weight_copies(self, model: nn.Module) -> int:
-        """The frozen (`fixed`) or `ema` teacher's copy, made at the first step (trainer/memory.py)."""
+    def weight_copies(self, model: nn.Module) -> float:
+        """The frozen (`fixed`) or `ema` teacher's copy, made at the first step, or `teacher_path`'s model
+        (trainer/memory.py)."""
         return self.teacher.copies(model)
+
+    def place_frozen(self, place: Callable[[nn.Module], nn.Module]) -> None:
+        self.teacher.place_frozen(place)  # teacher_path's model: sharded like the student under FSDP / ZeRO-3
 
     def check_task(self, task: Any) -> None:
         require_references(task.train_examples(), self.name)

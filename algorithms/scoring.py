@@ -85,11 +85,12 @@ def scatter_tokens(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
 
 def detached_head(teacher: nn.Module) -> Head:
     """The teacher's output head, detached, for projecting its stored hidden states in the loss; a
-    soft-capped head (Gemma-2) carries its cap (`models.anatomy.head_logits` applies it)."""
-    head = output_head(teacher, softcap=True)
+    soft-capped head (Gemma-2) carries its cap (`models.anatomy.head_logits` applies it); a sharded
+    teacher's (FSDP / ZeRO-3) gathered into a full copy, every rank calling together."""
+    head = output_head(teacher, softcap=True, gather=True)  # a sharded teacher's head: gathered (all ranks)
     if head is None:
         raise ValueError(f"self-distillation needs a linear output head on the teacher ({type(causal_lm(teacher)).__name__}: "
-                         "logit scaling and sharded heads are not supported)")
+                         "logit scaling is not supported)")
     return detach_head(head)
 
 

@@ -8,7 +8,7 @@ import copy
 import math
 import os
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 TEACHER_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -53,6 +53,9 @@ class SelfTeacher:
         else:
             self._refresh(policy)
             yield self.copy
+
+    def place_frozen(self, place: Callable[[nn.Module], nn.Module]) -> None:
+        """Copies of the policy stay whole (they are made from the full-weight replica); nothing to place."""
 
     def copies(self, policy: nn.Module) -> int:
         """Full copies of `policy`'s weights this teacher keeps: the frozen / EMA copy (none for `current`
@@ -164,11 +167,23 @@ class TeacherModelOptions:
 class ModelTeacher:
     """A separate, frozen teacher model (`algo.teacher_path`): loaded once per rank at the first teacher pass,
     in `dtype`, on the policy's device, in eval mode with requires_grad off -- so it never enters the optimizer
-    and holds no optimizer state. The same interface as `SelfTeacher` (weights, copies, after_eval, state)."""
+    and holds no optimizer state. The trainer hands it the backend's placement (`place_frozen`): under FSDP and
+    ZeRO-3 the teacher is sharded like the student (each rank keeps 1/world of its weights, and every teacher
+    forward is a collective of all ranks); whole on each rank otherwise. The same interface as `SelfTeacher`
+    (weights, copies, after_eval, state)."""
 
     def __init__(self, path: str, dtype: str = "float32"):
         self.path, self.dtype = os.path.expanduser(path), dtype
         self.model: Optional[nn.Module] = None
+        self.place: Callable[[nn.Module], nn.Module] = lambda model: model
+
+    def place_frozen(self, place: Callable[[nn.Module], nn.Module]) -> None:
+        self.place = place
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the loaded teacher's weights are split over the ranks (FSDP2 DTensors, ZeRO-3 partitions)."""
+        return self.model is not None and any(is_sharded(p) for p in self.model.parameters())
 
     @contextlib.contextmanager
     def weights(self, policy: nn.Module) -> Iterator[nn.Module]:
@@ -176,14 +191,24 @@ class ModelTeacher:
             from models.loading import load_pretrained
 
             device = next(policy.parameters()).device
-            model, _ = load_pretrained(self.path, self.dtype)
-            self.model = model.to(device).requires_grad_(False).eval()
+            model, _ = load_pretrained(self.path, self.dtype)  # on the CPU
+            # placed before it moves: FSDP2 shards it onto the device a layer at a time, so the device never
+            # holds the whole teacher; ZeRO-3 partitions it as its engine starts
+            self.model = self.place(model.requires_grad_(False).eval())
+            if not self.sharded:
+                self.model = self.model.to(device)
         yield self.model
 
-    def copies(self, policy: nn.Module) -> int:
-        """Counted as one copy of the policy's weights by the memory check (a teacher of another size is
-        measured once it is loaded)."""
-        return 1
+    def copies(self, policy: nn.Module) -> float:
+        """The teacher's weights as a multiple of the policy's (its parameter count from its config, in its
+        dtype, over the policy's parameter bytes), for the memory check -- which divides it by the ranks where
+        the layout shards parameters (FSDP, ZeRO-3), as it does the student's. One copy when the teacher's
+        size cannot be read before loading it."""
+        numel = teacher_numel(self.path)
+        policy_bytes = sum(p.numel() * p.element_size() for p in policy.parameters())
+        if numel is None or policy_bytes == 0:
+            return 1.0
+        return numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size() / policy_bytes
 
     def after_eval(self, result: dict, policy: nn.Module) -> tuple[dict, list[str]]:
         return {}, []
@@ -195,3 +220,50 @@ class ModelTeacher:
         saved = state.get("teacher_path")
         if saved is not None and os.path.realpath(saved) != os.path.realpath(self.path):
             raise ValueError(f"the checkpoint was trained with algo.teacher_path={saved}, this run names {self.path}")
+
+
+def is_sharded(p: torch.Tensor) -> bool:
+    """A parameter split over ranks: an FSDP2 DTensor, or a ZeRO-3 partition (its `ds_tensor`)."""
+    return hasattr(p, "ds_tensor") or hasattr(p, "to_local")
+
+
+def local_bytes(model: nn.Module) -> int:
+    """Bytes of `model`'s parameters this rank holds (its shards where sharded)."""
+    total = 0
+    for p in model.parameters():
+        local = p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def teacher_numel(path: str) -> Optional[int]:
+    """Parameters of the model dir at `path`, counted on a skeleton built from its config on the meta device
+    (nothing is read but the config); None when that cannot be built (a PEFT adapter dir, remote code)."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        return sum(p.numel() for p in skeleton.parameters())
+    except (OSError, ValueError, KeyError, TypeError, ImportError):
+        return None
+
+
+@torch.no_grad()
+def lockstep_greedy(model: nn.Module, tokenizer, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """Greedy completions (text) of `prompts` by a model sharded over the ranks, every rank calling with the
+    same prompts: transformers' `generate` with `synced_gpus`, so a rank whose rows have all stopped keeps
+    taking part in the others' forwards (each forward gathers the shards: a collective). Stops on the model's
+    stop ids (models.prompts.stop_ids)."""
+    from models.prompts import generation_eos, prompt_ids, stop_ids
+
+    device = next(model.parameters()).device
+    ids = [prompt_ids(tokenizer, p) for p in prompts]
+    width, pad = max(map(len, ids)), tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=device)
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
+    out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=pad, eos_token_id=list(stop_ids(tokenizer, generation_eos(model))),
+                         synced_gpus=True)
+    return [tokenizer.decode(row, skip_special_tokens=True) for row in out[:, width:]]

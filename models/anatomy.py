@@ -61,22 +61,35 @@ def decoder_layers(model: nn.Module, user: str = "this") -> nn.ModuleList:
     return layers
 
 
-def output_head(model: nn.Module, softcap: bool = False) -> Optional[Head]:
+def output_head(model: nn.Module, softcap: bool = False, gather: bool = False) -> Optional[Head]:
     """(weight (V, H), bias) of the output layer when it can be applied directly to final hidden
-    states; None when not (sharded FSDP2 / ZeRO-3 weights, logit scaling, and logit soft-capping
-    unless `softcap`): then a caller falls back to the model's own logits. With `softcap=True` a
-    soft-capped head comes back as (weight, bias, cap), for callers that project through
-    `head_logits`."""
+    states; None when not (sharded FSDP2 / ZeRO-3 weights unless `gather`, logit scaling, and logit
+    soft-capping unless `softcap`): then a caller falls back to the model's own logits. With
+    `softcap=True` a soft-capped head comes back as (weight, bias, cap), for callers that project through
+    `head_logits`. With `gather=True` sharded weights come back as full copies, gathered from every rank
+    (a collective: all ranks call it together), not tied to the parameters -- for a frozen model's head."""
     inner = unwrap(model)
     head = inner.get_output_embeddings()
     config = getattr(inner, "config", None)
     cap = getattr(config, "final_logit_softcapping", None)
     if not isinstance(head, nn.Linear) or (cap and not softcap) or getattr(config, "logit_scale", None):
         return None
-    weight = head.weight
+    weight, bias = head.weight, head.bias
     if type(weight.data) is not torch.Tensor or weight.numel() == 0:  # DTensor shard or ZeRO-3 partition
-        return None
-    return (weight, head.bias, float(cap)) if cap else (weight, head.bias)
+        if not gather:
+            return None
+        weight, bias = _gathered(weight), None if bias is None else _gathered(bias)
+    return (weight, bias, float(cap)) if cap else (weight, bias)
+
+
+def _gathered(p: Tensor) -> Tensor:
+    """A full, detached copy of a sharded parameter: an FSDP2 DTensor or a ZeRO-3 partition."""
+    if hasattr(p, "full_tensor"):
+        return p.detach().full_tensor()
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+        return p.detach().clone()
 
 
 def head_logits(hidden: Tensor, head: Head) -> Tensor:

@@ -6,6 +6,8 @@ The loop only ever calls:
     backend.backward(loss) / backend.step(max_norm) -> grad norm
     backend.full_model()           a module holding full weights, for rollouts, eval and export
     backend.save(dir) / backend.load(dir)   model + optimizer + scheduler state (all ranks call)
+    backend.shard_frozen(model)    a frozen model beside the trained one (a separate teacher), placed as
+                                   the trained one is: sharded under FSDP and ZeRO-3, whole otherwise
 
 Every backend averages gradients over data-parallel ranks, so the trainer divides losses by
 global tokens / world size to get exact global-token normalisation.
@@ -51,6 +53,8 @@ class Backend(Protocol):
     def save(self, directory: str) -> None: ...
 
     def load(self, directory: str) -> None: ...
+
+    def shard_frozen(self, model: nn.Module) -> nn.Module: ...
 
 
 def lr_lambda(warmup_steps: int, max_steps: int, min_ratio: float):
@@ -118,6 +122,10 @@ class SingleBackend:
 
     def full_model(self) -> nn.Module:
         return self.model
+
+    def shard_frozen(self, model: nn.Module) -> nn.Module:
+        """A frozen model is a whole copy on each rank here (DDP replicates, it does not shard)."""
+        return model
 
     def save(self, path: str) -> None:
         if self.world.is_main:
@@ -188,6 +196,17 @@ class FSDPBackend:
 
         return StateDictOptions(full_state_dict=True, **kw)
 
+    def shard_frozen(self, model: nn.Module) -> nn.Module:
+        """`fully_shard` each decoder layer and the root of a frozen model, as the trained one: each rank
+        keeps 1/world of its weights; a forward (every rank together) all-gathers one layer at a time and
+        frees it after (reshard_after_forward also on the root, which has no backward to keep it for)."""
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in _decoder_layers(model):
+            fully_shard(layer, reshard_after_forward=True)
+        fully_shard(model, reshard_after_forward=True)
+        return model
+
     def full_model(self) -> nn.Module:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -254,6 +273,7 @@ class DeepSpeedBackend:
         import deepspeed
 
         self.world, self.zero_stage = world, zero_stage
+        self._frozen: list = []  # inference engines of frozen models (shard_frozen)
         self._replica = copy.deepcopy(model) if zero_stage == 3 else None
         config = {
             "train_micro_batch_size_per_gpu": tcfg.micro_batch_size,
@@ -290,6 +310,20 @@ class DeepSpeedBackend:
     @property
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
+
+    def shard_frozen(self, model: nn.Module) -> nn.Module:
+        """ZeRO-3: the frozen model's weights partitioned over the ranks by an inference-only engine (no
+        optimizer); its module's forward (every rank together) gathers each layer's weights as it runs.
+        ZeRO-1 / 2 shard only optimizer state and gradients, which a frozen model has none of: whole."""
+        if self.zero_stage != 3:
+            return model
+        import deepspeed
+
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                  "bf16": {"enabled": False}, "steps_per_print": 10**9}
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        self._frozen.append(engine)  # the engine owns the partitioning hooks: kept alive with the backend
+        return engine.module
 
     def full_model(self) -> nn.Module:
         if self._replica is None:

@@ -301,7 +301,8 @@ def _run_eval(s: Session) -> dict:
             for note in notes:
                 print(f"warning: step {s.step}: {note}", file=sys.stderr, flush=True)
     extra = s.caps.extra_eval
-    if extra is not None and s.world.is_main:  # e.g. SEED: mean tokens per verify forward, greedy
+    # e.g. SEED: mean tokens per verify forward, greedy; on every rank where its models are sharded (distill)
+    if extra is not None and (s.world.is_main or s.caps.extra_eval_every_rank):
         result.update(extra(model, s.tokenizer, s.task, examples[:t.extra_eval_examples], t.eval_max_new_tokens))
     record = {"step": s.step, "split": "eval", **result}
     s.tracker.log(record)

@@ -669,7 +669,7 @@ def _longest_fitting_width(peak_at, width: int, room: float) -> Optional[int]:
     return lo - lo % 64 if lo >= 128 else lo
 
 
-def check_memory(cfg, world, model: nn.Module, batch: WorstBatch, copies: int = 0) -> Optional[str]:
+def check_memory(cfg, world, model: nn.Module, batch: WorstBatch, copies: float = 0) -> Optional[str]:
     """Raise MemoryCheckError when the rollouts or the actor update are estimated not to fit; with
     memory_check=auto switch `trainer.activations` none -> checkpoint when that makes the update fit
     (cfg.trainer is updated, so the config written to output_dir says so). `copies`: full copies of the
@@ -715,8 +715,8 @@ def check_memory(cfg, world, model: nn.Module, batch: WorstBatch, copies: int = 
         f"above the {gib(room)} available ({how}); {fix}; or trainer.memory_check=off to run anyway")
 
 
-def _copies(copies: int) -> str:
-    return f", {copies} frozen cop{'y' if copies == 1 else 'ies'} of the weights" if copies else ""
+def _copies(copies: float) -> str:
+    return f", {copies:.3g} frozen cop{'y' if copies == 1 else 'ies'} of the weights" if copies else ""
 
 
 def _check_rollouts(cfg, world, fit: ModelFit, batch: WorstBatch, room: float, how: str, opt: float, layout: Layout,

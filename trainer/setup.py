@@ -203,6 +203,8 @@ def apply_actor_update(cfg: TrainConfig, world: World, algo: Algorithm, caps: Ca
         caps.share_prompts(shared_prompt_logprobs)
     micro_steps = -(-_per_rank_batch(t.batch_size, world.size) * caps.rows_per_prompt // t.micro_batch_size)
     backend = build_backend(cfg.backend.name, model, t, world, cfg.backend.zero_stage, micro_steps, precision)
+    if caps.place_frozen is not None:  # e.g. a separate teacher: sharded like the student under FSDP / ZeRO-3
+        caps.place_frozen(backend.shard_frozen)
     return backend, activations
 
 
