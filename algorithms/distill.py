@@ -83,14 +83,15 @@ class Distill:
         if not examples or not task_capabilities(task).verifiable:
             return {}
         if self.teacher_accuracy is None:
+            shown = self.teacher.view_task(task)  # the prompts it reads in training (algo.teacher_chat_template)
             with self.teacher.weights(model) as teacher:
                 if self.teacher.sharded:
-                    texts = lockstep_greedy(teacher, tokenizer, [task.prompt(ex) for ex in examples], max_new_tokens)
+                    texts = lockstep_greedy(teacher, tokenizer, [shown.prompt(ex) for ex in examples], max_new_tokens)
                 elif not _is_main():
                     return {}
                 else:
                     texts = [tokenizer.decode(o.tokens, skip_special_tokens=True)
-                             for o in greedy_completions(teacher, tokenizer, task, examples, max_new_tokens)]
+                             for o in greedy_completions(teacher, tokenizer, shown, examples, max_new_tokens)]
             right = [task.verify(ex, text).correct for ex, text in zip(examples, texts)]
             self.teacher_accuracy = sum(right) / len(right)
         return {"distill/teacher_accuracy": self.teacher_accuracy}
@@ -116,8 +117,9 @@ class Distill:
                        if any(on_policy) else [])
         completions = [next(sampled) if on else _reference(tok, ex) for ex, on in zip(examples, on_policy)]
         batch = rollout_batch(prompts, completions, tok.pad_token_id, ctx.device, [ex.uid for ex in examples])
-        views = [[encode_prompt(tok, task.teacher_prompt(ex, ex.solution) if c.teacher_context == "reference"
-                                else task.prompt(ex))] for ex in examples]
+        shown = self.teacher.view_task(task)  # algo.teacher_chat_template: whose template renders its prompt
+        views = [[encode_prompt(tok, shown.teacher_prompt(ex, ex.solution) if c.teacher_context == "reference"
+                                else shown.prompt(ex))] for ex in examples]
         with self.teacher.weights(ctx.policy) as teacher:
             hidden = teacher_hidden(teacher, views, [x.tokens for x in completions], [len(p) for p in prompts],
                                     batch.input_ids.shape[1], c.teacher_batch_size, ctx.device, batch.uids)

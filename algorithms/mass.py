@@ -311,7 +311,8 @@ class MASS:
         completions = sample(ctx, prompts, c.temperature, c.top_p)
         batch = rollout_batch(prompts, completions, tok.pad_token_id, ctx.device, [ex.uid for ex in examples])
         references, masks, focus = zip(*(self.views(ex, task, tok, rank) for ex in examples))
-        views = [[encode_prompt(tok, task.teacher_prompt(ex, r)) for r in refs] for ex, refs in zip(examples, references)]
+        shown = self.teacher.view_task(task)  # algo.teacher_chat_template: whose template renders its prompts
+        views = [[encode_prompt(tok, shown.teacher_prompt(ex, r)) for r in refs] for ex, refs in zip(examples, references)]
         diagnose = diagnoses_paths(c, task)
         tokens, starts, width = [x.tokens for x in completions], [len(p) for p in prompts], batch.input_ids.shape[1]
         uids = [ex.uid for ex in examples]

@@ -85,7 +85,8 @@ class OPSD:
         prompts = [encode_prompt(tok, task.prompt(ex)) for ex in examples]
         completions = sample(ctx, prompts, self.cfg.temperature, self.cfg.top_p)
         batch = rollout_batch(prompts, completions, tok.pad_token_id, ctx.device, [ex.uid for ex in examples])
-        views = [[encode_prompt(tok, task.teacher_prompt(ex, ex.solution))] for ex in examples]
+        shown = self.teacher.view_task(task)  # algo.teacher_chat_template: whose template renders its prompt
+        views = [[encode_prompt(tok, shown.teacher_prompt(ex, ex.solution))] for ex in examples]
         with self.teacher.weights(ctx.policy) as teacher:
             hidden = teacher_hidden(teacher, views, [c.tokens for c in completions], [len(p) for p in prompts],
                                     batch.input_ids.shape[1], self.cfg.teacher_batch_size, ctx.device, batch.uids)

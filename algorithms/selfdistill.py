@@ -89,7 +89,7 @@ def self_teacher(cfg: Any) -> SelfTeacher | ModelTeacher:
     """The teacher weights the config asks for: a separate model (`teacher_path` of TeacherModelOptions), else the
     policy's own (`teacher`, `ema_decay`, `teacher_refresh_margin`, `teacher_warn_drop`)."""
     if isinstance(cfg, TeacherModelOptions) and cfg.teacher_path is not None:
-        return ModelTeacher(cfg.teacher_path, cfg.teacher_dtype or "float32")
+        return ModelTeacher(cfg.teacher_path, cfg.teacher_dtype or "float32", cfg.teacher_chat_template)
     return SelfTeacher(cfg.teacher, cfg.ema_decay, cfg.teacher_refresh_margin, cfg.teacher_warn_drop)
 
 

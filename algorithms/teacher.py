@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 TEACHER_DTYPES = ("float32", "bfloat16", "float16")
+TEACHER_TEMPLATES = ("student", "teacher")
 
 import torch
 from torch import nn
@@ -53,6 +54,10 @@ class SelfTeacher:
         else:
             self._refresh(policy)
             yield self.copy
+
+    def view_task(self, task):
+        """The task whose prompts the teacher reads: the student's own (the same weights, the same template)."""
+        return task
 
     def place_frozen(self, place: Callable[[nn.Module], nn.Module]) -> None:
         """Copies of the policy stay whole (they are made from the full-weight replica); nothing to place."""
@@ -145,6 +150,9 @@ class TeacherModelOptions:
 
     teacher_path: Optional[str] = None
     teacher_dtype: Optional[str] = None  # float32 | bfloat16 | float16; null = model.dtype
+    # whose chat template renders the prompts the teacher reads: student (the student's prompt ids, as it
+    # sampled under them) | teacher (teacher_path's own template; the completion ids stay the student's)
+    teacher_chat_template: str = "student"
 
     def teacher_reads_references(self) -> bool:
         """Whether the rows this config trains need the data's reference solutions beyond what its traits say
@@ -155,7 +163,13 @@ class TeacherModelOptions:
         """The path exists and is a model dir, and the dtype is known (ValueError naming the key)."""
         if self.teacher_dtype is not None and self.teacher_dtype not in TEACHER_DTYPES:
             raise ValueError(f"algo.teacher_dtype={self.teacher_dtype} is not one of {', '.join(TEACHER_DTYPES)}")
+        if self.teacher_chat_template not in TEACHER_TEMPLATES:
+            raise ValueError(f"algo.teacher_chat_template={self.teacher_chat_template} is not one of "
+                             f"{', '.join(TEACHER_TEMPLATES)}")
         if self.teacher_path is None:
+            if self.teacher_chat_template == "teacher":
+                raise ValueError("algo.teacher_chat_template=teacher needs algo.teacher_path (the model whose "
+                                 "template it is)")
             return
         from models.model_dir import model_dir_problem
 
@@ -172,10 +186,26 @@ class ModelTeacher:
     forward is a collective of all ranks); whole on each rank otherwise. The same interface as `SelfTeacher`
     (weights, copies, after_eval, state)."""
 
-    def __init__(self, path: str, dtype: str = "float32"):
-        self.path, self.dtype = os.path.expanduser(path), dtype
+    def __init__(self, path: str, dtype: str = "float32", chat_template: str = "student"):
+        self.path, self.dtype, self.chat_template = os.path.expanduser(path), dtype, chat_template
         self.model: Optional[nn.Module] = None
         self.place: Callable[[nn.Module], nn.Module] = lambda model: model
+        self._views: Optional[tuple] = None  # (the student's task, the same task under the teacher's template)
+
+    def view_task(self, task):
+        """The task whose `prompt` / `teacher_prompt` render what the teacher reads: the student's (`student`,
+        the default: the prompt ids the student sampled under), or the same examples rendered by the teacher
+        tokenizer's chat template (`teacher`). Either way the completion ids scored are the student's."""
+        if self.chat_template == "student":
+            return task
+        if self._views is None or self._views[0] is not task:
+            from transformers import AutoTokenizer
+
+            from tasks.chat_template import TemplatedTask, with_chat
+
+            base = task.task if isinstance(task, TemplatedTask) else task
+            self._views = (task, with_chat(base, AutoTokenizer.from_pretrained(self.path), "auto"))
+        return self._views[1]
 
     def place_frozen(self, place: Callable[[nn.Module], nn.Module]) -> None:
         self.place = place

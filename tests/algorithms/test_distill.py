@@ -193,3 +193,42 @@ def test_a_named_teacher_trains_through_the_trainer_on_padded_batches(tmp_path, 
         assert r[f"{algo}/divergence"] >= 0 and r["loss"] == r["loss"] and r["grad_norm"] > 0
     if "algo.lmbda=0.5" in extra:
         assert {r["distill/on_policy"] for r in train} != {1.0}  # some rows were the data's own
+
+
+def test_teacher_chat_template_picks_whose_template_renders_the_teachers_prompt(tmp_path):
+    """`student` (the default): the teacher reads the prompt ids the student sampled under; `teacher`: the same
+    question rendered by the teacher tokenizer's own template. The completion ids are the student's either way,
+    and the teacher's states are its forward over [its prompt + those ids] (the independent truth)."""
+    from tasks.chat_template import with_chat
+    from tests.tasks.test_chat_template import TEMPLATE
+
+    model, tok = tiny()
+    tok.chat_template = TEMPLATE
+    teacher_model, teacher_tok = build_tiny(SPEC, seed=7)
+    teacher_tok.chat_template = TEMPLATE.replace("<{{ m['role'] }}>\n", "[{{ m['role'] }}]: ").replace(
+        "<assistant>\n", "[assistant]: ")
+    path = tmp_path / "teacher"
+    teacher_model.save_pretrained(path)
+    teacher_tok.save_pretrained(path)
+    task = with_chat(arith(steps=1), tok, "auto")
+    ex = task.train_examples()[0]
+    for mode, rendered in (("student", tok.apply_chat_template([{"role": "user", "content": arith(steps=1).prompt(ex)}],
+                                                                 tokenize=False, add_generation_prompt=True)),
+                           ("teacher", teacher_tok.apply_chat_template(
+                               [{"role": "user", "content": arith(steps=1).prompt(ex)}], tokenize=False,
+                               add_generation_prompt=True))):
+        algo = Distill(DistillConfig(teacher_path=str(path), teacher_dtype="float32", teacher_chat_template=mode))
+        assert algo.teacher.view_task(task).prompt(ex) == rendered
+        batch = algo.make_batch([ex], ctx(model, tok, task))
+        start = int(batch.loss_mask[0].nonzero()[0])
+        completion = batch.input_ids[0][batch.loss_mask[0].bool()]
+        ids = torch.tensor([tok(rendered, add_special_tokens=False).input_ids + completion.tolist()])
+        with torch.no_grad():
+            expected = final_hidden(algo.teacher.model, ids, torch.ones_like(ids))[0]
+        prompt_len = ids.shape[1] - len(completion)
+        got = batch.teacher.hidden[0, start:start + len(completion), 0]
+        assert torch.allclose(got, expected[prompt_len - 1: prompt_len - 1 + len(completion)], atol=1e-5), mode
+    with pytest.raises(ValueError, match="algo.teacher_chat_template=teacher needs algo.teacher_path"):
+        OPSDConfig(teacher_chat_template="teacher").validate()
+    with pytest.raises(ValueError, match="algo.teacher_chat_template=mine is not one of student, teacher"):
+        DistillConfig(teacher_path=str(path), teacher_chat_template="mine").validate()
