@@ -1,0 +1,54 @@
+"""benchmarks/distill.py's arithmetic, from hand-made result files (the runs themselves are the benchmark's job):
+the best learning rate per row, the paired difference and its interval, and the rendered tables."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import distill as bench  # noqa: E402
+
+
+def result(row, lr, seed, outcomes, curve_end=None):
+    final = sum(outcomes) / len(outcomes)
+    return {"row": row, "algo": bench.row_algo(row)[0], "lr": lr, "seed": seed, "steps": 200, "eval_examples": len(outcomes),
+            "outcomes": outcomes, "final": final, "curve": [(0, 0.5), (200, curve_end if curve_end is not None else final)],
+            "teacher": {"steps": 300, "accuracy": 0.9, "command": "torchrun ... +algo=sft"} if "-t" in row else None,
+            "command": f"torchrun ... {row} lr {lr}", "wall_s": 1.0}
+
+
+def test_the_best_rate_is_the_highest_final_accuracy_ties_to_the_lower_rate():
+    rs = [result("sft", 1e-4, 0, [1, 1, 0, 0]), result("sft", 1e-3, 0, [1, 1, 1, 0]),
+          result("sft", 3e-3, 0, [1, 1, 1, 0]), result("sft", 1e-5, 1, [1, 1, 1, 1])]  # seed 1 is not the sweep
+    assert bench.best_lr(rs, "sft") == 1e-3
+    assert bench.best_lr(rs, "opsd") is None
+
+
+def test_the_paired_difference_is_the_mean_over_questions_of_the_seed_means():
+    a = [[1, 1, 0, 0], [1, 0, 0, 0]]  # per-question means over the two seeds: 1, .5, 0, 0
+    b = [[0, 1, 0, 1], [0, 1, 0, 1]]  # 0, 1, 0, 1
+    diff, lo, hi = bench.paired(a, b)
+    assert diff == pytest.approx((1 - 0.5 + 0 - 1) / 4)  # -0.125
+    assert lo <= diff <= hi and -1 <= lo and hi <= 1
+    same, lo0, hi0 = bench.paired(a, a)
+    assert same == 0 and lo0 == 0 and hi0 == 0  # identical outcomes: no spread at all
+
+
+def test_the_tables_are_rendered_from_the_result_files(tmp_path):
+    results = tmp_path / "distill"
+    results.mkdir()
+    files = [result("distill-t300", 1e-4, 0, [1, 1, 1, 0]), result("distill-t300", 3e-4, 0, [1, 0, 0, 0]),
+             result("distill-t300", 1e-4, 1, [1, 1, 0, 0]), result("sft", 1e-4, 0, [1, 0, 1, 0]),
+             result("sft", 1e-4, 1, [0, 0, 1, 0])]
+    for r in files:
+        (results / f"{r['row']}-lr{r['lr']:g}-s{r['seed']}.json").write_text(json.dumps(r))
+    text = bench.render(str(results))
+    assert (tmp_path / "distill.md").read_text() == text
+    assert "| distill-t300 | 0.750 | 0.250 | 0.0001 |" in text  # the sweep: lr 1e-4 and 3e-4, best 1e-4
+    assert "| distill-t300 | 0.0001 | 2 | 0.625 ± 0.177 | 0.750, 0.500 |" in text  # mean and sample std of seeds
+    diff, lo, hi = bench.paired([[1, 1, 1, 0], [1, 1, 0, 0]], [[1, 0, 1, 0], [0, 0, 1, 0]])
+    assert f"| distill-t300 − sft | 2 | {diff:+.3f} | [{lo:+.3f}, {hi:+.3f}] |" in text
