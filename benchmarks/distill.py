@@ -13,8 +13,9 @@ Every row trains `--steps` steps of 32 prompts, 2 ranks (`torchrun --standalone 
   warm-up and cosine-to-0.1x schedule and gradient clip. Its loss divides no logits by the temperature
   (GKD's own choice); ours divides both sides by it.
 
-Phases: `sweep` runs every row at each learning rate of `--lrs` with seed 0; `seeds` runs every row at its
-best swept learning rate (the highest final accuracy; ties to the lower rate) with `--seeds`. Held-out
+Phases: `sweep` runs every row at each learning rate of `--lrs` with seed 0 (and one more step of the 1-3-10
+grid past an edge where a row's best rate lies, up to two); `seeds` runs every row at its best swept learning
+rate (the highest final accuracy; ties to the lower rate) with `--seeds`. Held-out
 accuracy: the trainer's greedy evals every `--eval-every` steps (n = `--eval-examples`), and at the end
 per-question outcomes of every row's final model, scored the same way for all rows (transformers' greedy
 `generate` on the student prompts, our verifier), for the paired comparison.
@@ -275,6 +276,18 @@ def best_lr(results: list[dict], row: str) -> float | None:
     return min(swept, key=lambda r: (-r["final"], r["lr"]))["lr"] if swept else None
 
 
+def edge_step(results: list[dict], row: str) -> float | None:
+    """The next rate of the 1-3-10 grid past the swept edge where `row`'s best seed-0 rate lies (None inside)."""
+    swept = sorted({r["lr"] for r in results if r["row"] == row and r["seed"] == 0})
+    best = best_lr(results, row)
+    if best is None or len(swept) < 2 or swept[0] < best < swept[-1]:
+        return None
+    up = best == swept[-1]
+    digit = f"{best:.0e}"[0]
+    factor = (3.0 if digit == "1" else 10 / 3) if up else (1 / 3 if digit == "3" else 0.3)
+    return float(f"{best * factor:.0e}")
+
+
 def load(results_dir: str) -> list[dict]:
     if not os.path.isdir(results_dir):
         return []
@@ -387,6 +400,11 @@ def main() -> None:
     if "sweep" in args.phases:
         for row in rows:
             for lr in lrs:
+                run(args, row, lr, 0, teachers)
+            for _ in range(2):  # a best rate at the grid's edge is no best: one more step of the grid past it
+                lr = edge_step(load(args.results), row)
+                if lr is None:
+                    break
                 run(args, row, lr, 0, teachers)
     if "seeds" in args.phases:
         for seed in [int(s) for s in args.seeds.split(",")]:

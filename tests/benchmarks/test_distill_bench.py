@@ -52,3 +52,14 @@ def test_the_tables_are_rendered_from_the_result_files(tmp_path):
     assert "| distill-t300 | 0.0001 | 2 | 0.625 ± 0.177 | 0.750, 0.500 |" in text  # mean and sample std of seeds
     diff, lo, hi = bench.paired([[1, 1, 1, 0], [1, 1, 0, 0]], [[1, 0, 1, 0], [0, 0, 1, 0]])
     assert f"| distill-t300 − sft | 2 | {diff:+.3f} | [{lo:+.3f}, {hi:+.3f}] |" in text
+
+
+def test_a_best_rate_at_the_grids_edge_is_swept_one_step_further():
+    grid = [result("sft", lr, 0, outcomes) for lr, outcomes in
+            ((3e-5, [0, 0]), (1e-4, [1, 0]), (3e-4, [1, 0]), (1e-3, [1, 1]))]
+    assert bench.edge_step(grid, "sft") == 3e-3  # best at the top: 1e-3 -> 3e-3
+    assert bench.edge_step(grid + [result("sft", 3e-3, 0, [1, 0])], "sft") is None  # now inside
+    low = [result("opsd", lr, 0, outcomes) for lr, outcomes in ((3e-5, [1, 1]), (1e-4, [1, 0]))]
+    assert bench.edge_step(low, "opsd") == 1e-5  # best at the bottom: 3e-5 -> 1e-5
+    assert bench.edge_step(low + [result("opsd", 1e-5, 0, [1, 0])], "opsd") is None
+    assert bench.edge_step([result("x", 1e-4, 0, [1])], "x") is None  # one rate is no grid
