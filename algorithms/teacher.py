@@ -267,11 +267,18 @@ def local_bytes(model: nn.Module) -> int:
 
 
 def teacher_numel(path: str) -> Optional[int]:
-    """Parameters of the model dir at `path`, counted on a skeleton built from its config on the meta device
-    (nothing is read but the config); None when that cannot be built (a PEFT adapter dir, remote code)."""
+    """Parameters of the model dir at `path` (a PEFT adapter dir: its base's, which the adapter is merged into),
+    counted on a skeleton built from its config on the meta device (nothing is read but the config); None when
+    that cannot be built (remote code, a config transformers does not know)."""
     try:
+        import json
+
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        adapter = os.path.join(path, "adapter_config.json")
+        if os.path.exists(adapter):
+            with open(adapter) as fh:
+                path = os.path.expanduser(json.load(fh)["base_model_name_or_path"])
         config = AutoConfig.from_pretrained(path)
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)

@@ -68,3 +68,30 @@ def test_the_memory_check_counts_a_teacher_by_its_size(teacher_dir):
     assert ModelTeacher(teacher_dir, "float32").copies(student) == pytest.approx(ratio)
     assert ModelTeacher(teacher_dir, "bfloat16").copies(student) == pytest.approx(ratio / 2)
     assert ratio > 1.5  # the teacher is bigger: counting it as one student copy would undercount
+
+
+@pytest.mark.slow  # peft's LoRA wrap and two loads: ~7 s
+def test_a_peft_adapter_teacher_is_its_base_with_the_adapter_merged(tmp_path, teacher_dir):
+    """teacher_path may name a PEFT adapter dir: the teacher is its base with the adapter merged in (its logits
+    equal peft's own forward of base + adapter), and the memory check counts the base's size."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from algorithms.teacher import ModelTeacher
+    from models.loading import load_pretrained
+
+    base, tok = load_pretrained(teacher_dir)
+    peft_model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    adapter = tmp_path / "adapter"
+    peft_model.save_pretrained(adapter)
+    tok.save_pretrained(adapter)
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        expected = peft_model(input_ids=ids).logits
+        plain = load_pretrained(teacher_dir)[0](input_ids=ids).logits
+    student, _ = build_tiny(TinySpec(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), seed=0)
+    teacher = ModelTeacher(str(adapter), "float32")
+    with teacher.weights(student) as model, torch.no_grad():
+        got = model(input_ids=ids).logits
+    assert torch.allclose(got, expected, atol=1e-5) and not torch.allclose(got, plain, atol=1e-3)  # the adapter counts
+    assert teacher.copies(student) == pytest.approx(ModelTeacher(teacher_dir, "float32").copies(student))
