@@ -232,3 +232,35 @@ def test_teacher_chat_template_picks_whose_template_renders_the_teachers_prompt(
         OPSDConfig(teacher_chat_template="teacher").validate()
     with pytest.raises(ValueError, match="algo.teacher_chat_template=mine is not one of student, teacher"):
         DistillConfig(teacher_path=str(path), teacher_chat_template="mine").validate()
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0, 0.5])
+def test_a_bf16_teacher_gives_the_fp32_divergence_never_negative(beta):
+    """A bf16 teacher (hidden states and head) next to an fp32 student: the divergence is computed in fp32 from the
+    teacher's bf16 logits -- beta 0 the forward KL(teacher || student), 1 the reverse, both by hand here -- and no
+    token's is negative, also where the two distributions are nearly equal (bf16 rounding would make a naive
+    difference of log-probs dip below 0)."""
+    from algorithms import losses
+
+    torch.manual_seed(0)
+    hidden, vocab, n = 16, 40, 64
+    head = torch.randn(vocab, hidden)
+    student = torch.randn(n, hidden)
+    teacher_hidden = (student + 1e-3 * torch.randn(n, hidden)).to(torch.bfloat16)[:, None]  # nearly the student
+    teacher_head = (head.to(torch.bfloat16),)
+    targets = torch.randint(0, vocab, (n,))
+    div, _ = losses.chunked_self_distill(student, (head, None), teacher_hidden, teacher_head + (None,), targets, beta=beta,
+                                         temperature=1.1)
+    assert div.dtype == torch.float32 and bool((div >= 0).all())
+    log_s = torch.log_softmax(student @ head.T / 1.1, -1)
+    log_t = torch.log_softmax((teacher_hidden[:, 0] @ teacher_head[0].T).float() / 1.1, -1)  # its logits as it makes them
+    if beta == 0.0:
+        expected = (log_t.exp() * (log_t - log_s)).sum(-1)
+    elif beta == 1.0:
+        expected = (log_s.exp() * (log_s - log_t)).sum(-1)
+    else:
+        mix = torch.logsumexp(torch.stack([log_s + torch.log(torch.tensor(0.5)), log_t + torch.log(torch.tensor(0.5))]), 0)
+        expected = 0.5 * (log_t.exp() * (log_t - mix)).sum(-1) + 0.5 * (log_s.exp() * (log_s - mix)).sum(-1)
+    assert torch.allclose(div, expected.clamp_min(0), atol=1e-6)
+    if beta in (0.0, 1.0):
+        assert float(div.sum()) > 0  # a KL, not a zero: the distributions differ a little
