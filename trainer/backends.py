@@ -312,8 +312,9 @@ class DeepSpeedBackend:
         return self.scheduler.get_last_lr()[0]
 
     def shard_frozen(self, model: nn.Module) -> nn.Module:
-        """ZeRO-3: the frozen model's weights partitioned over the ranks by an inference-only engine (no
-        optimizer); its module's forward (every rank together) gathers each layer's weights as it runs.
+        """ZeRO-3: the frozen model's weights partitioned over the ranks (a parameter at a time, so the device
+        never holds the whole model) under an inference-only engine (no optimizer); its module's forward (every
+        rank together) gathers each layer's weights as it runs.
         ZeRO-1 / 2 shard only optimizer state and gradients, which a frozen model has none of: whole."""
         if self.zero_stage != 3:
             return model
@@ -321,6 +322,9 @@ class DeepSpeedBackend:
 
         config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
                   "bf16": {"enabled": False}, "steps_per_print": 10**9}
+        # partitioned a parameter at a time where it lies (the engine alone would first move the whole model
+        # to the device), then the engine adds the hooks that gather each layer's weights for its forward
+        deepspeed.zero.Init(module=model, config_dict_or_path=config, dtype=next(model.parameters()).dtype)
         engine, *_ = deepspeed.initialize(model=model, config=config)
         self._frozen.append(engine)  # the engine owns the partitioning hooks: kept alive with the backend
         return engine.module
