@@ -65,14 +65,13 @@ class DistillConfig(SelfDistillConfig, TeacherModelOptions):
 class Distill:
     name = "distill"
     summary_metrics = {"distill/teacher_accuracy": "the teacher's held-out accuracy (greedy; the student's ceiling)"}
+    extra_eval_every_rank = True  # a sharded teacher decodes only with every rank taking part
 
     def __init__(self, cfg: DistillConfig):
         self.cfg = cfg
         self.teacher = self_teacher(cfg)  # the ModelTeacher of teacher_path
         self.rng = random.Random(cfg.seed)  # which rows are on-policy (checkpointed)
         self.teacher_accuracy: float | None = None  # measured once, at the first eval
-
-    extra_eval_every_rank = True  # a sharded teacher decodes only with every rank taking part
 
     def extra_eval(self, model: nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any],
                    max_new_tokens: int) -> dict[str, float]:
