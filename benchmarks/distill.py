@@ -321,7 +321,8 @@ def render(results_dir: str) -> str:
              f"steps x {BATCH} prompts, n = {results[0]['eval_examples']} held-out questions (final: each model's "
              "greedy answers scored by transformers' `generate` + our verifier). Teachers: " +
              "; ".join(f"`t{k}` = {k} steps of `+algo=sft` (held out {v['accuracy']:.3f})" for k, v in sorted(teachers.items())) +
-             ".", "", "## Learning-rate sweep (seed 0, final held-out accuracy)", "",
+             f". Wall time: one run on this machine's 2 cores (2 ranks; TRL one process of 2 threads).", "",
+             "## Learning-rate sweep (seed 0, final held-out accuracy)", "",
              "| row | " + " | ".join(f"lr {x:g}" for x in lrs) + " | best |", "|---|" + "---|" * (len(lrs) + 1)]
     for row in rows:
         cells = []
@@ -331,7 +332,8 @@ def render(results_dir: str) -> str:
         best = best_lr(results, row)
         lines.append(f"| {row} | " + " | ".join(cells) + (f" | {best:g} |" if best is not None else " | |"))
     lines += ["", "## At each row's best learning rate (mean ± std over seeds)", "",
-              "| row | lr | seeds | final | per seed | curve (step: mean accuracy) |", "|---|---|---|---|---|---|"]
+              "| row | lr | seeds | final | per seed | curve (step: mean accuracy) | wall s / run |",
+              "|---|---|---|---|---|---|---|"]
     at_best = {}
     for row in rows:
         lr = best_lr(results, row)
@@ -347,7 +349,8 @@ def render(results_dir: str) -> str:
                 curve.setdefault(s, []).append(a)
         lines.append(f"| {row} | {lr:g} | {len(rs)} | {statistics.fmean(finals):.3f} ± {sd:.3f} | "
                      f"{', '.join(f'{f:.3f}' for f in finals)} | "
-                     f"{', '.join(f'{s}: {statistics.fmean(v):.3f}' for s, v in sorted(curve.items()))} |")
+                     f"{', '.join(f'{s}: {statistics.fmean(v):.3f}' for s, v in sorted(curve.items()))} | "
+                     f"{statistics.fmean(x['wall_s'] for x in rs):.0f} |")
     pairs = [(a, b) for a in at_best for b in at_best if row_algo(a)[0] == "distill" and row_algo(b)[0] != "distill"]
     pairs += [(a, b) for a in at_best for b in at_best if a.startswith("distill-t") and b == "gkd-" + a.split("-")[1]]
     if pairs:

@@ -50,6 +50,7 @@ def test_the_tables_are_rendered_from_the_result_files(tmp_path):
     assert (tmp_path / "distill.md").read_text() == text
     assert "| distill-t300 | 0.750 | 0.250 | 0.0001 |" in text  # the sweep: lr 1e-4 and 3e-4, best 1e-4
     assert "| distill-t300 | 0.0001 | 2 | 0.625 ± 0.177 | 0.750, 0.500 |" in text  # mean and sample std of seeds
+    assert "| 0: 0.500, 200: 0.625 | 1 |" in text  # the curve's mean per eval step, the wall time per run
     diff, lo, hi = bench.paired([[1, 1, 1, 0], [1, 1, 0, 0]], [[1, 0, 1, 0], [0, 0, 1, 0]])
     assert f"| distill-t300 − sft | 2 | {diff:+.3f} | [{lo:+.3f}, {hi:+.3f}] |" in text
 
