@@ -183,10 +183,13 @@ def gkd(args, t: dict, lr: float, seed: int, out: str) -> dict:
         json.dump({"teacher": t["path"], "lr": lr, "seed": seed, "steps": args.steps, "eval_every": args.eval_every,
                    "eval_examples": args.eval_examples, "max_new_tokens": args.max_new_tokens, "out": out}, fh)
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--gkd-child", spec], capture_output=True,
-                          text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    log = os.path.join(out, "child.log")  # its progress (an eval line every --eval-every steps): tail -f it
+    print(f"  {os.path.basename(out)}: TRL GKD running, progress in {log}", flush=True)
+    with open(log, "w") as fh:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--gkd-child", spec], stdout=fh,
+                              stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="2"))
     if proc.returncode != 0:
-        raise SystemExit(f"TRL GKD lr {lr} seed {seed} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"TRL GKD lr {lr} seed {seed} failed (exit {proc.returncode}):\n{open(log).read()[-3000:]}")
     result = json.load(open(os.path.join(out, "result.json")))
     result["wall_s"] = time.perf_counter() - started
     result["command"] = (f"python benchmarks/distill.py (TRL {result.pop('trl')} GKDTrainer, one process: lmbda 1, "
