@@ -366,8 +366,9 @@ def render(results_dir: str) -> str:
             pick = lambda rs: [x["outcomes"] for x in sorted(rs, key=lambda x: x["seed"]) if x["seed"] in seeds]  # noqa: E731
             d, lo, hi = paired(pick(at_best[a]), pick(at_best[b]))
             lines.append(f"| {a} − {b} | {len(seeds)} | {d:+.3f} | [{lo:+.3f}, {hi:+.3f}] |")
-    lines += ["", "Commands: " + "; ".join(sorted({f"`{r['command']}`" for r in results if r['seed'] == 0 and
-                                                    r['lr'] == lrs[0]})),
+    lines += ["", "Commands (each row's best rate, seed 0): " + "; ".join(
+                  f"`{r['command']}`" for row in rows for r in results
+                  if r["row"] == row and r["seed"] == 0 and r["lr"] == best_lr(results, row)),
               "", provenance_line(results[-1].get("meta"))]
     text = "\n".join(lines) + "\n"
     write_files(os.path.dirname(results_dir.rstrip("/")), {os.path.basename(results_dir.rstrip("/")) + ".md": text})
