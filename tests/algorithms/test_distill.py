@@ -169,9 +169,9 @@ def test_the_teachers_held_out_accuracy_is_measured_once_as_the_ceiling(teacher_
 @pytest.mark.parametrize("algo, extra", [
     ("distill", ["algo.lmbda=0.5", "algo.teacher_dtype=bfloat16"]),  # mixed rows, a bf16 teacher under an fp32 student
     ("distill", ["model.dtype=bfloat16", "algo.teacher_context=reference"]),  # the teacher in the run's dtype
-    ("opsd", []),
+    ("opsd", ["algo.teacher_chat_template=teacher"]),  # the prompts rendered for the teacher's tokenizer
     ("mass", ["algo.num_views=2"]),
-], ids=["distill-mixed-bf16-teacher", "distill-bf16-reference", "opsd", "mass"])
+], ids=["distill-mixed-bf16-teacher", "distill-bf16-reference", "opsd-teacher-template", "mass"])
 def test_a_named_teacher_trains_through_the_trainer_on_padded_batches(tmp_path, teacher_dir, algo, extra):
     import json
 
