@@ -33,7 +33,9 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequen
 
     `prompt` maps an example to its prompt text (default: the task's student prompt; the
     self-distillation algorithms also measure the teacher prompt, which carries the reference).
-    Returns accuracy (final answer right), step_accuracy (share of checkable steps right) and n; on a
+    Returns accuracy (final answer right), step_accuracy (share of checkable steps right), n and outcomes
+    (one character per example of `examples`, in their order: "1" right, "0" not -- the per-question
+    record a paired comparison of two runs needs); on a
     task with several valid solution paths (`task.solution_path`, e.g. multipath) also path_differs
     (share of completions whose path is not the reference's) and path_differs_correct (share of the
     right answers reached through fully right working on another path than the reference's).
@@ -50,6 +52,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequen
                             stop_token_ids=stop_ids(tokenizer, generation_eos(model)))
     correct = steps_ok = steps_total = differs = full_marks = differs_full = capped = 0
     paths = task_capabilities(task).solution_path is not None
+    right = []  # this rank's outcomes, in the order of `mine`
     for start in range(0, len(mine), EVAL_BATCH):
         chunk = mine[start : start + EVAL_BATCH]
         if generate is not None:
@@ -63,6 +66,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequen
             text = tokenizer.decode(tokens, skip_special_tokens=True)
             result = task.verify(ex, text)
             correct += int(result.correct)
+            right.append(bool(result.correct))
             steps_ok += result.steps_correct
             steps_total += result.steps_total
             if paths:
@@ -73,7 +77,8 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequen
     counts = world.all_reduce_sum(torch.tensor([correct, steps_ok, steps_total, len(mine), differs, full_marks,
                                                 differs_full, capped], dtype=torch.float64))
     correct, steps_ok, steps_total, n, differs, full_marks, differs_full, capped = counts.tolist()
-    out = {"accuracy": correct / max(n, 1), "step_accuracy": steps_ok / max(steps_total, 1), "n": int(n)}
+    out = {"accuracy": correct / max(n, 1), "step_accuracy": steps_ok / max(steps_total, 1), "n": int(n),
+           "outcomes": in_order(world.gather_objects(right))}
     if capped:  # the model's positions cut some completions short of max_new_tokens: say so
         out["capped"] = int(capped)
         if world.is_main:
@@ -83,6 +88,16 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Any, examples: Sequen
         out["path_differs"] = differs / max(n, 1)
         out["path_differs_correct"] = differs_full / max(full_marks, 1)
     return out
+
+
+def in_order(shares: list[list[bool]]) -> str:
+    """Each rank's outcomes (rank r held examples r, r + size, r + 2 size, ...) back in the examples' order,
+    one character each ("1" right)."""
+    size = len(shares)
+    merged = [None] * sum(map(len, shares))
+    for rank, share in enumerate(shares):
+        merged[rank::size] = share
+    return "".join("1" if x else "0" for x in merged)
 
 
 def scored_rows(examples: Sequence[Any]) -> list[Any]:

@@ -48,7 +48,8 @@ class Tracker:
             fh.write(json.dumps(record) + "\n")
         if self.run is not None:
             split = record["split"]
-            self.run.log({f"{split}/{k}": v for k, v in record.items() if k not in ("step", "split")},
+            self.run.log({f"{split}/{k}": v for k, v in record.items()  # numbers: an eval's outcomes string stays in
+                          if k not in ("step", "split") and not isinstance(v, str)},  # metrics.jsonl
                          step=record["step"])
 
     def progress(self, step: int, shown: dict[str, Any]) -> None:

@@ -40,13 +40,31 @@ def _losses(out, proc) -> list[float]:
     return losses
 
 
+def _outcomes(out) -> list[str]:
+    """Each eval's per-question outcomes; each string's share of "1" is that eval's accuracy."""
+    evals = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' in l]
+    for e in evals:
+        assert len(e["outcomes"]) == e["n"] and set(e["outcomes"]) <= {"0", "1"}
+        assert e["outcomes"].count("1") / e["n"] == pytest.approx(e["accuracy"])
+    return [e["outcomes"] for e in evals]
+
+
+class Single(list):
+    """The one-process run's training losses, and its evals' per-question outcomes."""
+
+    def __init__(self, losses: list[float], outcomes: list[str]):
+        super().__init__(losses)
+        self.outcomes = outcomes
+
+
 @pytest.fixture(scope="module")
 def single_losses(tmp_path_factory):
     import os
 
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     out = tmp_path_factory.mktemp("single") / "run"
-    return _losses(out, _train(out, env, 1, "backend=single"))
+    losses = _losses(out, _train(out, env, 1, "backend=single"))
+    return Single(losses, _outcomes(out))
 
 
 BACKENDS = [["backend=ddp"], ["backend=fsdp"]] + [
@@ -59,6 +77,8 @@ def test_two_ranks_match_one(tmp_path, subprocess_env, single_losses, backend):
     out = tmp_path / "run"
     losses = _losses(out, _train(out, subprocess_env, 2, *backend))
     assert max(abs(a - b) for a, b in zip(losses, single_losses)) < PARITY_TOL, (losses, single_losses)
+    # each rank decodes every other question; merged back, the outcomes are one process's, question by question
+    assert _outcomes(out) == single_losses.outcomes
 
 
 @pytest.mark.parametrize("backend", [["backend=fsdp"], ["backend=deepspeed", "backend.zero_stage=3"]],

@@ -1,0 +1,73 @@
+"""benchmarks/lr_sweep.py's arithmetic, from hand-made result files (the runs are the benchmark's job): the two
+best rates per algorithm, the rendered sweep and seed tables, and each algorithm's paired difference to SFT."""
+from __future__ import annotations
+
+import json
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import lr_sweep as bench  # noqa: E402
+
+
+def result(algo, lr, seed, outcomes, setting="arith", teacher_end=None, commit="abc1234"):
+    final = outcomes.count("1") / len(outcomes)
+    return {"setting": setting, "algo": algo, "lr": lr, "seed": seed, "steps": 300, "wall_s": 10.0, "before": 0.25,
+            "final": final, "n": len(outcomes), "outcomes": outcomes, "curve": [(0, 0.25), (300, final)],
+            "teacher_curve": [(0, 0.9), (300, teacher_end)] if teacher_end is not None else [],
+            "teacher": None, "overrides": [], "command": f"torchrun ... +algo={algo} trainer.lr={lr:g}",
+            "meta": {"commit": commit}}
+
+
+def test_the_two_best_rates_are_the_highest_seed_0_finals_ties_to_the_lower_rate():
+    rs = [result("opsd", 1e-4, 0, "1100"), result("opsd", 3e-4, 0, "1110"), result("opsd", 1e-3, 0, "1110"),
+          result("opsd", 3e-3, 0, "1000"), result("opsd", 1e-5, 1, "1111"),  # seed 1 is no sweep run
+          result("opsd", 3e-5, 0, "1111", setting="multipath")]  # another setting
+    assert bench.best_lrs(rs, "arith", "opsd") == [3e-4, 1e-3]
+    assert bench.best_lrs(rs, "arith", "opsd", k=1) == [3e-4]
+    assert bench.best_lrs(rs, "multipath", "opsd") == [3e-5]
+    assert bench.best_lrs(rs, "arith", "mass") == []
+
+
+def test_the_tables_come_from_the_result_files(tmp_path):
+    results = tmp_path / "lr_sweep"
+    results.mkdir()
+    runs = [result("sft", 1e-4, 0, "1100"), result("sft", 1e-3, 0, "1110"), result("sft", 1e-3, 1, "1111"),
+            result("opsd", 1e-4, 0, "1000", teacher_end=0.75), result("opsd", 1e-3, 0, "0110", teacher_end=0.5),
+            result("opsd", 1e-3, 1, "0100", teacher_end=0.5, commit="def5678")]
+    for r in runs:
+        (results / f"{r['setting']}-{r['algo']}-lr{r['lr']:g}-s{r['seed']}.json").write_text(json.dumps(r))
+    text = bench.render(str(results))
+    assert (tmp_path / "lr_sweep.md").read_text() == text
+    assert "| sft | 0.500 | 0.750 | 0.001, 0.0001 |" in text  # sweep row, best two
+    assert "| opsd | 0.250 (0.750) | 0.500 (0.500) | 0.001, 0.0001 |" in text  # teacher prompt in brackets
+    # opsd at 1e-3 over seeds 0 and 1: 0.5 and 0.25, mean 0.375, sample std 0.177; both commits shown
+    assert "| opsd | 0.001 | 2 | 0.375 ± 0.177 | 0.500, 0.250 | 0: 0.250, 300: 0.375 | 10 | abc1234, def5678 |" in text
+    # opsd (1e-3, seeds 0 and 1) minus sft (1e-3, seeds 0 and 1), question by question over the seed means
+    diff, lo, hi = bench.paired([[0, 1, 1, 0], [0, 1, 0, 0]], [[1, 1, 1, 0], [1, 1, 1, 1]])
+    assert diff == pytest.approx(((0 - 1) + (1 - 1) + (0.5 - 1) + (0 - 0.5)) / 4)
+    assert f"| opsd | 0.001 / 0.001 | 2 | {diff:+.3f} | [{lo:+.3f}, {hi:+.3f}] |" in text
+    assert (tmp_path / "lr_sweep_curves.png").stat().st_size > 0
+
+
+def test_a_finished_run_is_skipped_only_for_the_same_overrides(tmp_path, monkeypatch):
+    args = SimpleNamespace(keep=str(tmp_path / "keep"), results=str(tmp_path / "res"), steps=300, eval_every=50,
+                           teacher_steps=300, extra=[])
+    wanted = bench.portable(bench.overrides(args, "multipath", "distill", 3e-4, 0, "OUT", "<teacher>"))
+    assert "data=multipath" in wanted and "algo.teacher_path=<teacher>" in wanted and "trainer.lr=0.0003" in wanted
+    path = bench.record_path(args.results, "multipath", "distill", 3e-4, 0)
+    (tmp_path / "res").mkdir()
+    done = dict(result("distill", 3e-4, 0, "10", setting="multipath"), overrides=wanted)
+    with open(path, "w") as fh:
+        json.dump(done, fh)
+    launched = []
+    monkeypatch.setattr(bench, "train", lambda *a: launched.append(a) or (_ for _ in ()).throw(RuntimeError("ran")))
+    assert bench.run(args, "multipath", "distill", 3e-4, 0, {}) == json.loads(json.dumps(done)) and not launched  # no teacher built either
+    args.extra = ["trainer.eval_examples=8"]  # another run now: it launches (here: the teacher first)
+    with pytest.raises(RuntimeError, match="ran"):
+        bench.run(args, "multipath", "distill", 3e-4, 0, {})
+    assert launched
