@@ -99,12 +99,30 @@ def overrides(method: str, setting: str, seed: int, args, out: str) -> list[str]
         extra = [f"algo.num_generations={g}"]
     model = ["model=tiny_init"] if args.random_init else [f"model.path={args.model_paths[setting]}"]
     eval_every = args.eval_every or args.steps
-    return [f"+algo={method}", *model, *SETTINGS[setting], f"seed={seed}", f"output_dir={out}",
+    return pin_lr([f"+algo={method}", *model, *SETTINGS[setting], f"seed={seed}", f"output_dir={out}",
             f"trainer.max_steps={args.steps}", f"trainer.batch_size={batch}",
             f"trainer.micro_batch_size={min(batch, args.micro)}", *([f"trainer.lr={args.lr}"] if args.lr else []),
             f"trainer.warmup_steps={max(1, args.steps // 10)}", f"trainer.eval_every={eval_every}",
             f"trainer.save_every={args.steps}", f"trainer.eval_examples={args.eval_examples}",
-            "trainer.resume=never", "logging.wandb=false", "logging.progress=false", *extra, *args.extra, *variant]
+            "trainer.resume=never", "logging.wandb=false", "logging.progress=false", *extra, *args.extra, *variant])
+
+
+def pin_lr(argv: list[str]) -> list[str]:
+    """`argv` with the learning rate its run resolves to written out (`trainer.lr=...`) where no override sets
+    one: the rate is part of a run's identity, so a result measured at another default rate is run again,
+    never reused (these runs measured at lr 1e-5 once, when a model.path made every unset rate the pretrained
+    default)."""
+    if any(a.startswith("trainer.lr=") for a in argv):
+        return argv
+    from algorithms import config_schemas
+    from trainer.config import load_config
+
+    with CONFIG_LOCK:  # Hydra's global state: one config load at a time across the worker threads
+        cfg = load_config([a for a in argv if not a.startswith("output_dir=")], config_schemas())
+    return [*argv, f"trainer.lr={cfg.trainer.lr:g}"]
+
+
+CONFIG_LOCK = threading.Lock()
 
 
 RESULTS = os.path.join(ROOT, "docs", "results", "self_distill")
@@ -229,7 +247,8 @@ def render(results_dir: str, title: str = "Long self-distillation runs (generate
              "Each run: `python train.py` with the overrides in its result file "
              f"(docs/results/{os.path.basename(results_dir.rstrip('/'))}/), from the",
              "setting's shipped default model; held-out greedy accuracy (n = `trainer.eval_examples`). `worst drop`: the",
-             "largest amount any seed ended below its own best eval."
+             "largest amount any seed ended below its own best eval. A run whose overrides name no `trainer.lr` ran at",
+             "1e-5 (a `model.path` then made every unset rate the pretrained default; runs now write their rate)."
              + (" `generated`: completion tokens sampled per run (mean over seeds), every dynamic-sampling round"
                 " included." if tokens else ""), "",
              "| setting | method | seeds | step 0 | end (mean ± std) | per seed | worst drop | teacher prompt start → end | "

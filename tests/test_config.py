@@ -282,6 +282,22 @@ def test_unset_lr_on_a_pretrained_model_is_safe(hf_dir, args, expected):
     assert defaulted["trainer.lr"].startswith("a pretrained model")
 
 
+@pytest.mark.parametrize("algo,expected", [("sft", 1e-3), ("opsd", 3e-5), ("grpo", 3e-5)])
+def test_the_default_models_own_cache_entry_as_model_path_keeps_the_tiny_rates(hf_dir, tmp_path, algo, expected):
+    """model.path naming a cache entry of the embedded default (warm_start.json marks one) is the same model
+    as no model.path: the same default rates, not the pretrained 1e-5 (benchmarks pass the entry's path)."""
+    import shutil
+
+    from trainer.default_model import DONE
+
+    entry = tmp_path / "tiny-entry"
+    shutil.copytree(hf_dir, entry)
+    assert _lr(f"+algo={algo}", "model=hf", f"model.path={entry}")[0] == 1e-5  # no marker: a pretrained model
+    (entry / DONE).write_text("{}")
+    lr, defaulted = _lr(f"+algo={algo}", "model=hf", f"model.path={entry}")
+    assert lr == expected and "its cache entry" in defaulted["trainer.lr"]
+
+
 def test_lora_trait_marks_the_configs_with_lora_keys():
     from algorithms import config_schemas
     from models.lora import LoRAOptions

@@ -263,13 +263,22 @@ PRETRAINED_LR = 1e-5  # full fine-tuning of a pretrained model (1e-3 took a real
 ADAPTER_LR = 1e-4  # a pretrained model whose weights stay frozen: only LoRA adapters train
 
 
+def is_default_entry(path: str) -> bool:
+    """`path` is a cache entry of the embedded default model (its `warm_start.json` marks one): the same
+    weights as leaving model.path unset, so the same default learning rates."""
+    from trainer.default_model import DONE
+
+    return os.path.isfile(os.path.join(os.path.expanduser(str(path)), DONE))
+
+
 def default_lr(cfg: TrainConfig) -> tuple[float, str]:
     """The trainer.lr a run gets when the user leaves it unset, and why (one phrase)."""
     traits = cfg.algo.traits
-    if cfg.model.path is None:
+    if cfg.model.path is None or is_default_entry(cfg.model.path):
+        where = "the embedded tiny model" + ("" if cfg.model.path is None else " (model.path is its cache entry)")
         if traits.tiny_lr is not None:
-            return traits.tiny_lr, f"the embedded tiny model, algo {cfg.algo.name}'s value"
-        return TINY_LR, "the embedded tiny model"
+            return traits.tiny_lr, f"{where}, algo {cfg.algo.name}'s value"
+        return TINY_LR, where
     if traits.pretrained_lr is not None:
         return traits.pretrained_lr, f"a pretrained model, algo {cfg.algo.name}'s value (only its new modules train)"
     if traits.lora and cfg.algo.lora_rank > 0:

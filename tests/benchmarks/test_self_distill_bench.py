@@ -66,9 +66,12 @@ def test_variants_are_methods_of_their_own():
     args = argparse.Namespace(variants=variants, batch=16, micro=16, teacher_rollouts=3, group=8, random_init=True,
                               eval_every=25, steps=300, lr=None, eval_examples=200, extra=[])
     argv = bench.overrides("mass-m67", "multipath", 0, args, "OUT")
-    assert argv[0] == "+algo=mass" and argv[-2:] == ["algo.mask_ratio=0.67", "algo.num_views=8"]
+    assert argv[0] == "+algo=mass" and argv[-3:-1] == ["algo.mask_ratio=0.67", "algo.num_views=8"]
     assert "data=multipath" in argv and "trainer.eval_every=25" in argv
-    assert bench.overrides("mass", "multipath", 0, args, "OUT") == argv[:-2]  # the plain method is unchanged
+    assert argv[-1] == "trainer.lr=3e-05"  # the rate the run resolves to, written out: part of the run's identity
+    assert bench.overrides("mass", "multipath", 0, args, "OUT") == argv[:-3] + argv[-1:]  # the plain method
+    args.lr = 1e-4
+    assert bench.overrides("mass", "multipath", 0, args, "OUT").count("trainer.lr=0.0001") == 1  # a set rate stays
     for bad in ("nolabel", "=mass:x=1", "label="):
         with pytest.raises(SystemExit, match="expected LABEL=ALGO"):
             bench.parse_variants([bad])
