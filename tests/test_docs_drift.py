@@ -136,15 +136,19 @@ def test_readme_algorithm_table_is_the_registry():
         assert f"(docs/{name}.md)" in row[-1], f"README: {name}'s row does not link docs/{name}.md"
 
 
-def cli_flags() -> set[str]:
-    source = (ROOT / "inference" / "__main__.py").read_text()
-    return set(re.findall(r'add_argument\(\s*"(--[a-z-]+)"', source))
+def cli_flags(module: str = "__main__") -> set[str]:
+    source = (ROOT / "inference" / f"{module}.py").read_text()
+    return set(re.findall(r'(?:add_argument|p\.add_argument)\(\s*"(--[a-z-]+)"', source))
 
 
 def test_readme_names_only_real_cli_flags_and_every_fast_path_flag():
     flags = cli_flags()
     readme = (ROOT / "README.md").read_text()
-    inference_lines = [line for line in readme.splitlines() if "python -m inference" in line]
+    server_lines = [line for line in readme.splitlines() if "python -m inference.server" in line]
+    named = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]+)", "\n".join(server_lines)))
+    assert named and not named - cli_flags("server"), f"README names server flags it lacks: {sorted(named - cli_flags('server'))}"
+    inference_lines = [line for line in readme.splitlines()
+                       if "python -m inference" in line and "python -m inference.server" not in line]
     fast_paths = "\n".join(" | ".join(row) for row in readme_table("fast path"))
     named = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]+)", "\n".join(inference_lines) + fast_paths))
     assert not named - flags, f"README names flags python -m inference does not have: {sorted(named - flags)}"

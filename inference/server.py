@@ -1,0 +1,568 @@
+"""An OpenAI-compatible HTTP server over the serving door: `python -m inference.server DIR`.
+
+DIR opens through `load_served` exactly as `python -m inference DIR` opens it (a full model, a LoRA
+adapter dir, a quantized export on the low-bit path, an export with a layer skipper; `--adapter`,
+`--skipper`, `--speculative seed|external`, `--drafter`, `--skip-mode`, `--dtype`), so every request
+decodes with the export's fast paths. Endpoints:
+
+- `GET /health`, `GET /v1/models`, `GET /metrics` (the door's stats: completions, tokens, tokens/s, the
+  speculative acceptance length, the skipped share of routed layer-tokens; requests served, waiting);
+- `POST /v1/completions`: `prompt` (a string, a list of strings, token ids, or a list of token-id lists),
+  `max_tokens` (default 16), `temperature` (default 1), `top_p`, `stop` (a string or up to 4), `seed`, `n`,
+  `stream`, `logprobs` (0-5 alternatives per token) and `echo` (the prompt's tokens and, with `logprobs`,
+  their log-probabilities; `max_tokens=0` with `echo` scores the prompt alone, what log-likelihood
+  harnesses send);
+- `POST /v1/chat/completions`: `messages` rendered by the tokenizer's chat template (400 when it has
+  none), `max_tokens` / `max_completion_tokens`, the same sampling fields, `logprobs` + `top_logprobs`.
+
+Completion text is the decoded tokens without special tokens, cut before the first `stop` string
+(finish_reason `stop`; `length` when `max_tokens` ran out). Log-probabilities are the model's own
+(`log_softmax` of its logits, temperature 1) from one forward of the prompt and completion, the
+trainer's log-prob contract. `stream=true` sends OpenAI's server-sent-event chunks, one per token, and
+`data: [DONE]`; in this version a request's tokens are decoded before its first chunk is sent.
+
+One engine call runs at a time (the engine holds one KV cache); requests wait their turn, at most
+`--max-waiting` of them (more: 503). Bad input -- malformed JSON, a wrong type or value, a prompt or
+`max_tokens` past the model's positions, `n` above `--max-n`, an unsupported sampling field -- is a 400
+in OpenAI's error JSON (`{"error": {"message", "type", "param", "code"}}`) naming the field, an unknown
+model a 404; the server keeps serving. SIGTERM stops accepting, lets requests in flight finish (up to
+`--graceful-s` seconds) and exits 0. It binds 127.0.0.1 unless `--host` says otherwise.
+
+    python -m inference.server runs/x/final --port 8000
+    python -m inference.server runs/x/final --speculative seed --served-model-name tiny
+    curl -s 127.0.0.1:8000/v1/completions -H 'content-type: application/json' \\
+        -d '{"model": "runs/x/final", "prompt": "12+7=", "max_tokens": 16, "temperature": 0}'
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from fastapi import FastAPI, Request  # module level: the handlers' annotations must resolve here
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+EXIT_USAGE = 2
+MAX_STOP = 4  # OpenAI's limit on stop strings
+MAX_LOGPROBS = 5  # OpenAI's limit on alternatives per token (completions)
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs limit
+UNSUPPORTED = (("presence_penalty", 0), ("frequency_penalty", 0), ("logit_bias", None), ("suffix", None),
+               ("tools", None), ("functions", None), ("response_format", None))  # fields we cannot honour, neutral values
+
+
+class APIError(Exception):
+    """A request the server refuses: HTTP `status`, OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param)
+
+
+# ----------------------------------------------------------------------------- request fields
+
+
+def _field(body: dict, name: str, kinds: tuple, default: Any = None, what: str = "") -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds:  # JSON true is no number
+        raise bad(name, f"expected {what or kinds[0].__name__}, got a boolean")
+    if not isinstance(value, kinds):
+        raise bad(name, f"expected {what or kinds[0].__name__}, got {type(value).__name__}")
+    return value
+
+
+@dataclass
+class Sampling:
+    """The sampling fields of one request, checked."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    n: int
+    stop: list[str]
+    seed: int | None
+    stream: bool
+    logprobs: int | None  # alternatives per token; None: no log-probabilities
+    echo: bool = False
+
+
+def parse_sampling(body: dict, max_n: int, chat: bool) -> Sampling:
+    for name, neutral in UNSUPPORTED:
+        if name in body and body[name] not in (neutral, None, {}, []):
+            raise bad(name, f"not supported by this server (send {neutral!r} or leave it out)")
+    if chat:
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        default_max = 256
+    else:
+        max_tokens, max_name, default_max = body.get("max_tokens"), "max_tokens", 16
+    max_tokens = _field({max_name: max_tokens}, max_name, (int,), default_max, "an integer")
+    temperature = float(_field(body, "temperature", (int, float), 1.0, "a number"))
+    if not 0.0 <= temperature <= 2.0 or math.isnan(temperature):
+        raise bad("temperature", f"must be in [0, 2], got {temperature}")
+    top_p = float(_field(body, "top_p", (int, float), 1.0, "a number"))
+    if not 0.0 < top_p <= 1.0:
+        raise bad("top_p", f"must be in (0, 1], got {top_p}")
+    n = _field(body, "n", (int,), 1, "an integer")
+    if not 1 <= n <= max_n:
+        raise bad("n", f"must be in [1, {max_n}] on this server, got {n}")
+    best_of = _field(body, "best_of", (int,), n, "an integer")
+    if best_of != n:
+        raise bad("best_of", f"only best_of = n ({n}) is supported, got {best_of}")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise bad("stop", "expected a string or a list of strings")
+    if len(stop) > MAX_STOP or any(not s for s in stop):
+        raise bad("stop", f"at most {MAX_STOP} non-empty strings, got {stop!r}")
+    seed = _field(body, "seed", (int,), None, "an integer")
+    stream = _field(body, "stream", (bool,), False, "a boolean")
+    if chat:
+        wants = _field(body, "logprobs", (bool,), False, "a boolean")
+        top = _field(body, "top_logprobs", (int,), 0, "an integer")
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+        if top and not wants:
+            raise bad("top_logprobs", "needs logprobs=true")
+        logprobs, echo = (top if wants else None), False
+    else:
+        logprobs = _field(body, "logprobs", (int,), None, "an integer")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+        echo = _field(body, "echo", (bool,), False, "a boolean")
+    if max_tokens < 0 or (max_tokens == 0 and not echo):
+        raise bad(max_name, f"must be >= 1 (0 only with echo=true), got {max_tokens}")
+    if echo and stream:
+        raise bad("echo", "echo with stream is not supported")
+    return Sampling(max_tokens, temperature, top_p, n, stop, seed, stream, logprobs, echo)
+
+
+def parse_prompts(body: dict) -> list[Any]:
+    """`prompt` as a list of prompts, each a string or a list of token ids."""
+    if "prompt" not in body:
+        raise bad("prompt", "required")
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+            return [prompt]
+        if all(isinstance(x, str) for x in prompt):
+            return list(prompt)
+        if all(isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+               for x in prompt):
+            return list(prompt)
+    raise bad("prompt", "expected a non-empty string, list of strings, list of token ids or list of token-id lists")
+
+
+def parse_messages(body: dict) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "expected a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"messages[{i}]", "expected an object with a string role")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text ones
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise bad(f"messages[{i}].content", "only text content parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise bad(f"messages[{i}].content", "expected a string or a list of text parts")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+# ----------------------------------------------------------------------------- the model side
+
+
+def model_logprobs(model: torch.nn.Module, ids: list[int], top: int) -> tuple[list[float | None], list[list]]:
+    """Per position of `ids`: the model's log-probability of that token given the ones before it (None for
+    the first) and its `top` most likely alternatives there [(token id, logprob), ...] (the trainer's
+    log-prob contract: log_softmax of one forward's logits, fp32)."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids], device=device)).logits[0, :-1].float()
+    logp = torch.log_softmax(logits, dim=-1)  # (T-1, V): position t predicts ids[t + 1]
+    target = torch.tensor(ids[1:], device=device)
+    picked = logp.gather(-1, target[:, None])[:, 0].tolist()
+    alts: list[list] = [[]]
+    if top:
+        values, index = logp.topk(top, dim=-1)
+        alts += [list(zip(i, v)) for i, v in zip(index.tolist(), values.tolist())]
+    else:
+        alts += [[] for _ in picked]
+    return [None, *picked], alts
+
+
+class Backend:
+    """The served model behind one lock: one engine call at a time, at most `max_waiting` requests queued."""
+
+    def __init__(self, server: Any, name: str, max_n: int = 16, max_waiting: int = 64):
+        self.server, self.name, self.max_n, self.max_waiting = server, name, max_n, max_waiting
+        self.tokenizer = server.tokenizer
+        self.lock = threading.Lock()
+        self.waiting = 0
+        self.served = 0
+        self.rng = torch.Generator().manual_seed(int(time.time_ns() % (2**31)))
+        config = getattr(server.model, "config", None)
+        positions = getattr(config, "max_position_embeddings", None)
+        cap = server.options.engine.max_seq_len
+        self.positions = min(p for p in (positions, cap) if isinstance(p, int) and p > 0) if (positions or cap) else None
+
+    def encode(self, prompt: Any) -> list[int]:
+        from models.prompts import prompt_ids
+
+        return list(prompt) if isinstance(prompt, list) else prompt_ids(self.tokenizer, prompt)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        from models.prompts import has_chat_template, prompt_ids
+
+        if not has_chat_template(self.tokenizer):
+            raise bad("messages", f"model {self.name!r} has no chat template: use /v1/completions with a prompt")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as err:  # the template's own refusal (e.g. roles out of order)
+            raise bad("messages", f"the chat template refused them: {err}") from None
+        return prompt_ids(self.tokenizer, text)
+
+    def check(self, prompts: list[list[int]], s: Sampling, param: str) -> None:
+        vocab = len(self.tokenizer)
+        for ids in prompts:
+            if not ids:
+                raise bad(param, "a prompt is empty")
+            if any(not 0 <= t < vocab for t in ids):
+                raise bad(param, f"token ids must be in [0, {vocab})")
+            if self.positions is not None and len(ids) + s.max_tokens > self.positions:
+                if len(ids) >= self.positions:
+                    raise bad(param, f"{len(ids)} tokens: longer than the model's {self.positions} positions")
+                raise bad("max_tokens", f"{len(ids)} prompt tokens + max_tokens {s.max_tokens} exceed the model's "
+                          f"{self.positions} positions")
+
+    def run(self, prompts: list[list[int]], s: Sampling) -> list[dict]:
+        """Complete each prompt n times (in the caller's thread, under the lock): one dict per choice with the
+        completion's token ids, text, finish reason and, when asked, log-probabilities."""
+        with self.lock:
+            return self._run(prompts, s)
+
+    def _run(self, prompts: list[list[int]], s: Sampling) -> list[dict]:
+        tok = self.tokenizer
+        rows = [ids for ids in prompts for _ in range(s.n)]
+        if s.max_tokens > 0:
+            params = self.server.params(
+                max_new_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                stop_sequences=tuple(tuple(tok(x, add_special_tokens=False).input_ids) for x in s.stop
+                                     if tok(x, add_special_tokens=False).input_ids))
+            seed = s.seed if s.seed is not None else int(torch.randint(0, 2**31 - 1, (1,), generator=self.rng))
+            device = self.server.options.device
+            generator = torch.Generator(device=device).manual_seed(seed)
+            completions = self.server.generate(rows, params, generator)
+        else:
+            completions = [None] * len(rows)
+        choices = []
+        for i, (ids, c) in enumerate(zip(rows, completions)):
+            tokens = list(c.tokens) if c is not None else []
+            text = tok.decode(tokens, skip_special_tokens=True)
+            reason = c.finish_reason if c is not None else "length"
+            cut = min((text.find(x) for x in s.stop if x in text), default=-1)
+            if cut >= 0:  # OpenAI: the stop string ends the text and is not part of it
+                text, reason = text[:cut], "stop"
+                tokens = _tokens_within(tok, tokens, cut)
+            choice = {"index": i, "tokens": tokens, "text": text, "finish_reason": reason, "prompt": ids}
+            if s.logprobs is not None:
+                lp, alts = model_logprobs(self.server.model, [*ids, *tokens], s.logprobs)
+                choice["logprobs"], choice["alts"] = lp, alts
+            choices.append(choice)
+        self.served += 1
+        return choices
+
+
+def _tokens_within(tok: Any, tokens: list[int], chars: int) -> list[int]:
+    """The shortest prefix of `tokens` whose text reaches `chars` characters (the tokens of the cut text)."""
+    for k in range(len(tokens) + 1):
+        if len(tok.decode(tokens[:k], skip_special_tokens=True)) >= chars:
+            return tokens[:k]
+    return tokens
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def _pieces(tok: Any, tokens: list[int]) -> list[str]:
+    """Each token's text as the decoded prefix grows (so multi-token characters land whole)."""
+    out, seen = [], ""
+    for k in range(1, len(tokens) + 1):
+        text = tok.decode(tokens[:k], skip_special_tokens=True)
+        out.append(text[len(seen):] if text.startswith(seen) else text)
+        seen = text
+    return out
+
+
+def completion_logprobs(tok: Any, c: dict, echo: bool) -> dict:
+    """The completions API's logprobs object for one choice (prompt tokens first with echo)."""
+    start = 0 if echo else len(c["prompt"])
+    ids = [*c["prompt"], *c["tokens"]][start:]
+    lps, alts = c["logprobs"][start:], c["alts"][start:]
+    strings = [tok.decode([t]) for t in ids]
+    offsets, at = [], 0
+    for s in strings:
+        offsets.append(at)
+        at += len(s)
+    top = [None if lp is None else {tok.decode([t]): v for t, v in a} for lp, a in zip(lps, alts)]
+    return {"tokens": strings, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(tok: Any, c: dict) -> dict:
+    n = len(c["prompt"])
+    content = []
+    for t, lp, a in zip(c["tokens"], c["logprobs"][n:], c["alts"][n:]):
+        piece = tok.decode([t])
+        content.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()),
+                        "top_logprobs": [{"token": tok.decode([i]), "logprob": v, "bytes": list(tok.decode([i]).encode())}
+                                         for i, v in a]})
+    return {"content": content}
+
+
+def usage(prompts: list[list[int]], choices: list[dict]) -> dict:
+    p = sum(map(len, prompts))
+    c = sum(len(x["tokens"]) for x in choices)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def sse(chunks: Iterator[dict]) -> Iterator[str]:
+    for chunk in chunks:
+        yield f"data: {json.dumps(chunk)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+# ----------------------------------------------------------------------------- the app
+
+
+def build_app(backend: Backend):
+    """The FastAPI app over `backend`."""
+    app = FastAPI(title="posttrain inference server")
+    tok = backend.tokenizer
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, err: APIError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException):
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(err.status_code, str(err.detail), kind=kind).body(), status_code=err.status_code)
+
+    async def body_of(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise APIError(400, f"malformed JSON body: {err}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != backend.name:
+            raise APIError(404, f"model {model!r} does not exist: this server serves {backend.name!r}", "model",
+                           "not_found_error", "model_not_found")
+        return body
+
+    async def generate(prompts: list[list[int]], s: Sampling) -> list[dict]:
+        if backend.waiting >= backend.max_waiting:
+            raise APIError(503, f"server busy: {backend.waiting} requests waiting (--max-waiting "
+                           f"{backend.max_waiting}); retry later", kind="server_error", code="overloaded")
+        backend.waiting += 1
+        try:
+            return await asyncio.to_thread(backend.run, prompts, s)
+        finally:
+            backend.waiting -= 1
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": backend.name, "object": "model", "created": 0,
+                                            "owned_by": "posttrain", "max_model_len": backend.positions}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        st = backend.server.stats
+        return {"requests": backend.served, "waiting": backend.waiting, "calls": st.calls,
+                "completions": st.completions, "tokens": st.tokens, "seconds": st.seconds,
+                "tokens_per_s": st.tokens_per_s(), "mean_accepted": st.mean_accepted,
+                "skip_ratio": st.skip_ratio()}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await body_of(request)
+        s = parse_sampling(body, backend.max_n, chat=False)
+        prompts = [backend.encode(p) for p in parse_prompts(body)]
+        backend.check(prompts, s, "prompt")
+        choices = await generate(prompts, s)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def out(c: dict) -> dict:
+            text = (tok.decode(c["prompt"], skip_special_tokens=True) if s.echo else "") + c["text"]
+            return {"index": c["index"], "text": text, "finish_reason": c["finish_reason"],
+                    "logprobs": completion_logprobs(tok, c, s.echo) if s.logprobs is not None else None}
+
+        if not s.stream:
+            return {"id": rid, "object": "text_completion", "created": created, "model": backend.name,
+                    "choices": [out(c) for c in choices], "usage": usage(prompts, choices)}
+
+        def chunks():
+            for c in choices:
+                lp = completion_logprobs(tok, c, False) if s.logprobs is not None else None
+                for k, piece in enumerate(_pieces(tok, c["tokens"])):
+                    one = ({key: value[k:k + 1] for key, value in lp.items()} if lp else None)
+                    yield {"id": rid, "object": "text_completion", "created": created, "model": backend.name,
+                           "choices": [{"index": c["index"], "text": piece, "logprobs": one, "finish_reason": None}]}
+                yield {"id": rid, "object": "text_completion", "created": created, "model": backend.name,
+                       "choices": [{"index": c["index"], "text": "", "logprobs": None,
+                                    "finish_reason": c["finish_reason"]}]}
+
+        return StreamingResponse(sse(chunks()), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await body_of(request)
+        s = parse_sampling(body, backend.max_n, chat=True)
+        prompt = backend.chat_prompt(parse_messages(body))
+        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None and backend.positions:
+            s.max_tokens = max(1, min(s.max_tokens, backend.positions - len(prompt)))  # default: what fits, <= 256
+        backend.check([prompt], s, "messages")
+        choices = await generate([prompt], s)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if not s.stream:
+            return {"id": rid, "object": "chat.completion", "created": created, "model": backend.name,
+                    "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+                                 "logprobs": chat_logprobs(tok, c) if s.logprobs is not None else None,
+                                 "finish_reason": c["finish_reason"]} for c in choices],
+                    "usage": usage([prompt], choices)}
+
+        def chunks():
+            head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": backend.name}
+            for c in choices:
+                yield {**head, "choices": [{"index": c["index"], "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]}
+                for piece in _pieces(tok, c["tokens"]):
+                    yield {**head, "choices": [{"index": c["index"], "delta": {"content": piece}, "logprobs": None,
+                                                "finish_reason": None}]}
+                yield {**head, "choices": [{"index": c["index"], "delta": {}, "logprobs": None,
+                                            "finish_reason": c["finish_reason"]}]}
+
+        return StreamingResponse(sse(chunks()), media_type="text/event-stream")
+
+    return app
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m inference.server", description=__doc__.split("\n")[0])
+    p.add_argument("model_dir", help="an export (or any HF model dir with its tokenizer)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the name requests use (default: model_dir as given)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="full-precision weights load in this dtype (default: as saved)")
+    p.add_argument("--speculative", choices=("seed", "external"))
+    p.add_argument("--drafter", metavar="DIR", help="drafter model dir (implies --speculative external)")
+    p.add_argument("--draft-len", type=int, default=None)
+    p.add_argument("--adapter", metavar="DIR", help="a PEFT (LoRA) adapter dir merged onto model_dir")
+    p.add_argument("--skipper", metavar="DIR", help="a layer-skipper dir to serve on model_dir")
+    p.add_argument("--no-skipper", action="store_true", help="ignore model_dir/skipper/")
+    p.add_argument("--skip-mode", choices=("auto", "routed", "masked"), default="auto")
+    p.add_argument("--max-n", type=int, default=16, help="the largest n a request may ask")
+    p.add_argument("--max-waiting", type=int, default=64, help="requests queued at most; more get 503")
+    p.add_argument("--graceful-s", type=int, default=30, help="on SIGTERM, wait this long for requests in flight")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from inference.__main__ import ADAPTER_CONFIG
+    from models.model_dir import model_dir_problem
+
+    for flag, path in (("model dir", args.model_dir), ("--drafter", args.drafter)):
+        problem = model_dir_problem(path) if path else None
+        if problem is not None:
+            print(f"error: {flag}: {problem}", file=sys.stderr)
+            return EXIT_USAGE
+    import os
+
+    if args.adapter and not os.path.exists(os.path.join(args.adapter, ADAPTER_CONFIG)):
+        print(f"error: --adapter {args.adapter} is not a PEFT adapter dir (no {ADAPTER_CONFIG})", file=sys.stderr)
+        return EXIT_USAGE
+    if args.drafter and args.speculative is None:
+        args.speculative = "external"
+    import uvicorn
+
+    from inference.engine import EngineConfig
+    from inference.serving import ServeOptions, ServingError, load_served
+
+    try:
+        server = load_served(args.model_dir, ServeOptions(
+            adapter=args.adapter, skipper=args.skipper, use_skipper=not args.no_skipper, speculative=args.speculative,
+            drafter=args.drafter, draft_len=args.draft_len, device=args.device, dtype=args.dtype,
+            engine=EngineConfig(skip_mode=args.skip_mode)))
+    except ServingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    backend = Backend(server, args.served_model_name or args.model_dir, args.max_n, args.max_waiting)
+    config = uvicorn.Config(build_app(backend), host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=args.graceful_s)
+    print(f"serving {args.model_dir} as {backend.name!r} on http://{args.host}:{args.port}/v1", flush=True)
+    GracefulServer(config).run()
+    return 0
+
+
+def _graceful_server_class():
+    import signal
+
+    import uvicorn
+
+    class Graceful(uvicorn.Server):
+        """uvicorn's server, but SIGTERM is the normal way to stop: after the graceful shutdown the process
+        exits 0 instead of re-raising the signal on itself."""
+
+        def handle_exit(self, sig, frame) -> None:
+            if sig == signal.SIGTERM:
+                self.should_exit = True
+                return
+            super().handle_exit(sig, frame)
+
+    return Graceful
+
+
+def GracefulServer(config):  # noqa: N802  (a class built on first use: uvicorn is imported only when serving)
+    return _graceful_server_class()(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
