@@ -21,8 +21,10 @@ Completion text is the decoded tokens without special tokens, cut before the fir
 trainer's log-prob contract. `stream=true` sends OpenAI's server-sent-event chunks, one per token, and
 `data: [DONE]`; in this version a request's tokens are decoded before its first chunk is sent.
 
-One engine call runs at a time (the engine holds one KV cache); requests wait their turn, at most
-`--max-waiting` of them (more: 503). Bad input -- malformed JSON, a wrong type or value, a prompt or
+One thread calls the engine. Requests queue (at most `--max-waiting`; more: 503), and each engine call
+decodes the oldest one together with every waiting request that can share the call (greedy ones with the
+same `max_tokens` and `stop`; sampled ones without a seed and with the same sampling fields), up to
+`--max-batch` rows: requests that arrive while a batch decodes form the next batch. Bad input -- malformed JSON, a wrong type or value, a prompt or
 `max_tokens` past the model's positions, `n` above `--max-n`, an unsupported sampling field -- is a 400
 in OpenAI's error JSON (`{"error": {"message", "type", "param", "code"}}`) naming the field, an unknown
 model a 404; the server keeps serving. SIGTERM stops accepting, lets requests in flight finish (up to
@@ -43,6 +45,8 @@ import sys
 import threading
 import time
 import uuid
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -219,14 +223,18 @@ def model_logprobs(model: torch.nn.Module, ids: list[int], top: int) -> tuple[li
 
 
 class Backend:
-    """The served model behind one lock: one engine call at a time, at most `max_waiting` requests queued."""
+    """The served model behind one engine thread: requests queue (at most `max_waiting`), and each engine
+    call decodes the oldest one together with every waiting request that can share the call."""
 
-    def __init__(self, server: Any, name: str, max_n: int = 16, max_waiting: int = 64):
+    def __init__(self, server: Any, name: str, max_n: int = 16, max_waiting: int = 64, max_batch: int = 64):
         self.server, self.name, self.max_n, self.max_waiting = server, name, max_n, max_waiting
         self.tokenizer = server.tokenizer
-        self.lock = threading.Lock()
-        self.waiting = 0
-        self.served = 0
+        self.max_batch = max_batch
+        self.jobs: deque[Job] = deque()
+        self.ready = threading.Condition()
+        self.served = 0  # requests answered
+        self.batches = 0  # engine calls
+        threading.Thread(target=self._loop, name="engine", daemon=True).start()
         self.rng = torch.Generator().manual_seed(int(time.time_ns() % (2**31)))
         config = getattr(server.model, "config", None)
         positions = getattr(config, "max_position_embeddings", None)
@@ -262,26 +270,73 @@ class Backend:
                 raise bad("max_tokens", f"{len(ids)} prompt tokens + max_tokens {s.max_tokens} exceed the model's "
                           f"{self.positions} positions")
 
-    def run(self, prompts: list[list[int]], s: Sampling) -> list[dict]:
-        """Complete each prompt n times (in the caller's thread, under the lock): one dict per choice with the
-        completion's token ids, text, finish reason and, when asked, log-probabilities."""
-        with self.lock:
-            return self._run(prompts, s)
+    def submit(self, prompts: list[list[int]], s: Sampling) -> Future:
+        """Queue a request (each prompt completed n times); its future gives one dict per choice with the
+        completion's token ids, text, finish reason and, when asked, log-probabilities. APIError 503 past
+        `max_waiting` queued requests."""
+        job = Job(prompts, s, Future())
+        with self.ready:
+            if len(self.jobs) >= self.max_waiting:
+                raise APIError(503, f"server busy: {len(self.jobs)} requests waiting (--max-waiting "
+                               f"{self.max_waiting}); retry later", kind="server_error", code="overloaded")
+            self.jobs.append(job)
+            self.ready.notify()
+        return job.future
 
-    def _run(self, prompts: list[list[int]], s: Sampling) -> list[dict]:
+    @property
+    def waiting(self) -> int:
+        return len(self.jobs)
+
+    def _loop(self) -> None:
+        """The one thread that calls the engine: each round takes the oldest request and every waiting one
+        that can share its engine call (`batch_key`), up to `max_batch` rows, and decodes them together."""
+        while True:
+            with self.ready:
+                while not self.jobs:
+                    self.ready.wait()
+                first = self.jobs.popleft()
+                batch, rows, key = [first], len(first.prompts) * first.sampling.n, batch_key(first.sampling)
+                if key is not None:
+                    for job in list(self.jobs):
+                        more = len(job.prompts) * job.sampling.n
+                        if batch_key(job.sampling) == key and rows + more <= self.max_batch:
+                            self.jobs.remove(job)
+                            batch.append(job)
+                            rows += more
+            try:
+                results = self._run(batch)
+            except Exception as err:  # one bad round fails its requests, not the server
+                for job in batch:
+                    job.future.set_exception(err)
+                continue
+            for job, result in zip(batch, results):
+                job.future.set_result(result)
+
+    def _run(self, batch: list["Job"]) -> list[list[dict]]:
         tok = self.tokenizer
-        rows = [ids for ids in prompts for _ in range(s.n)]
+        s = batch[0].sampling
+        rows = [ids for job in batch for ids in job.prompts for _ in range(job.sampling.n)]
         if s.max_tokens > 0:
             params = self.server.params(
                 max_new_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                stop_sequences=tuple(tuple(tok(x, add_special_tokens=False).input_ids) for x in s.stop
-                                     if tok(x, add_special_tokens=False).input_ids))
+                stop_sequences=tuple(ids for ids in (tuple(tok(x, add_special_tokens=False).input_ids) for x in s.stop)
+                                     if ids))
             seed = s.seed if s.seed is not None else int(torch.randint(0, 2**31 - 1, (1,), generator=self.rng))
-            device = self.server.options.device
-            generator = torch.Generator(device=device).manual_seed(seed)
+            generator = torch.Generator(device=self.server.options.device).manual_seed(seed)
             completions = self.server.generate(rows, params, generator)
         else:
             completions = [None] * len(rows)
+        self.batches += 1
+        out, at = [], 0
+        for job in batch:
+            k = len(job.prompts) * job.sampling.n
+            out.append(self._choices(rows[at:at + k], completions[at:at + k], job.sampling))
+            at += k
+            self.served += 1
+        return out
+
+    def _choices(self, rows: list[list[int]], completions: list, s: Sampling) -> list[dict]:
+        tok = self.tokenizer
         choices = []
         for i, (ids, c) in enumerate(zip(rows, completions)):
             tokens = list(c.tokens) if c is not None else []
@@ -296,8 +351,23 @@ class Backend:
                 lp, alts = model_logprobs(self.server.model, [*ids, *tokens], s.logprobs)
                 choice["logprobs"], choice["alts"] = lp, alts
             choices.append(choice)
-        self.served += 1
         return choices
+
+
+@dataclass
+class Job:
+    prompts: list[list[int]]
+    sampling: Sampling
+    future: Future
+
+
+def batch_key(s: Sampling) -> tuple | None:
+    """Requests with equal keys share one engine call; None: this one runs alone. Greedy requests batch
+    with any greedy request of the same length limit and stops (their tokens do not depend on the batch);
+    sampled ones only without a seed (a seed names one generator stream, which a shared call would split)."""
+    if s.temperature > 0 and s.seed is not None:
+        return None
+    return (s.max_tokens, tuple(s.stop), s.temperature, s.top_p if s.temperature > 0 else 1.0)
 
 
 def _tokens_within(tok: Any, tokens: list[int], chars: int) -> list[int]:
@@ -390,14 +460,7 @@ def build_app(backend: Backend):
         return body
 
     async def generate(prompts: list[list[int]], s: Sampling) -> list[dict]:
-        if backend.waiting >= backend.max_waiting:
-            raise APIError(503, f"server busy: {backend.waiting} requests waiting (--max-waiting "
-                           f"{backend.max_waiting}); retry later", kind="server_error", code="overloaded")
-        backend.waiting += 1
-        try:
-            return await asyncio.to_thread(backend.run, prompts, s)
-        finally:
-            backend.waiting -= 1
+        return await asyncio.wrap_future(backend.submit(prompts, s))
 
     @app.get("/health")
     async def health():
@@ -411,7 +474,7 @@ def build_app(backend: Backend):
     @app.get("/metrics")
     async def metrics():
         st = backend.server.stats
-        return {"requests": backend.served, "waiting": backend.waiting, "calls": st.calls,
+        return {"requests": backend.served, "waiting": backend.waiting, "batches": backend.batches, "calls": st.calls,
                 "completions": st.completions, "tokens": st.tokens, "seconds": st.seconds,
                 "tokens_per_s": st.tokens_per_s(), "mean_accepted": st.mean_accepted,
                 "skip_ratio": st.skip_ratio()}
@@ -500,6 +563,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-mode", choices=("auto", "routed", "masked"), default="auto")
     p.add_argument("--max-n", type=int, default=16, help="the largest n a request may ask")
     p.add_argument("--max-waiting", type=int, default=64, help="requests queued at most; more get 503")
+    p.add_argument("--max-batch", type=int, default=64, help="rows (prompts x n) one engine call decodes at most")
     p.add_argument("--graceful-s", type=int, default=30, help="on SIGTERM, wait this long for requests in flight")
     return p.parse_args(argv)
 
@@ -534,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     except ServingError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    backend = Backend(server, args.served_model_name or args.model_dir, args.max_n, args.max_waiting)
+    backend = Backend(server, args.served_model_name or args.model_dir, args.max_n, args.max_waiting, args.max_batch)
     config = uvicorn.Config(build_app(backend), host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.graceful_s)
     print(f"serving {args.model_dir} as {backend.name!r} on http://{args.host}:{args.port}/v1", flush=True)

@@ -237,3 +237,49 @@ def test_sigterm_lets_the_request_in_flight_finish_and_exits_0(model_dir):
     t.join(60)
     code, body = answer["reply"]
     assert code == 200 and len(body["choices"]) == 16
+
+
+class HeldServer:
+    """A stand-in for the door's Server: its first engine call waits until released, every call is recorded."""
+
+    def __init__(self, tok):
+        from inference.engine import EngineConfig
+        from types import SimpleNamespace
+
+        self.tokenizer, self.calls, self.release = tok, [], threading.Event()
+        self.model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=256))
+        self.options = SimpleNamespace(engine=EngineConfig(), device="cpu")
+
+    def params(self, **fields):
+        from inference.sampling import SamplingParams
+
+        return SamplingParams(**fields)
+
+    def generate(self, rows, params, generator=None):
+        from inference.rollout import Completion
+
+        self.calls.append((len(rows), params.temperature))
+        self.release.wait(30)
+        return [Completion(tokens=list(r[-2:]), logprobs=[0.0, 0.0], finish_reason="length") for r in rows]
+
+
+def test_requests_waiting_while_a_batch_decodes_share_the_next_engine_call():
+    from inference.server import Backend, Sampling
+    from models.tokenizer import build_char_tokenizer
+
+    held = HeldServer(build_char_tokenizer())
+    backend = Backend(held, "tiny", max_batch=8)
+    greedy = Sampling(max_tokens=4, temperature=0.0, top_p=1.0, n=1, stop=[], seed=None, stream=False, logprobs=None)
+    seeded = Sampling(max_tokens=4, temperature=1.0, top_p=1.0, n=2, stop=[], seed=7, stream=False, logprobs=None)
+    first = backend.submit([[5, 6, 7]], greedy)
+    deadline = time.time() + 10
+    while not held.calls and time.time() < deadline:  # the engine thread holds the first request
+        time.sleep(0.01)
+    waiting = [backend.submit([[5, 6, 7 + i]], greedy) for i in range(10)]  # 10 rows: 8 fit the next call
+    alone = backend.submit([[9, 9]], seeded)  # a seeded sample never shares its call
+    assert backend.waiting == 11
+    held.release.set()
+    answers = [f.result(30) for f in [first, *waiting, alone]]
+    assert held.calls == [(1, 0.0), (8, 0.0), (2, 0.0), (2, 1.0)]  # oldest first; the rest in order, max_batch 8
+    assert [a[0]["tokens"] for a in answers[1:11]] == [[6, 7 + i] for i in range(10)]  # each its own rows back
+    assert len(answers[11]) == 2 and backend.batches == 4 and backend.served == 12
