@@ -41,6 +41,25 @@ def _reference(model, tok, use_lean: bool | None = False) -> list[list[int]]:
     return _tokens(Engine(model.eval(), EngineConfig(use_lean=use_lean)).generate(_ids(tok), _greedy(tok)))
 
 
+def _over_http(server, tok) -> list[str]:
+    """The greedy texts of PROMPTS from the HTTP server (inference/server.py) over `server`, asked with the
+    official openai client (the app in process); skipped without the server's packages."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from inference.server import Backend, build_app
+
+    with TestClient(build_app(Backend(server, "m"))) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        out = client.completions.create(model="m", prompt=_ids(tok), max_tokens=NEW, temperature=0)
+    return [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+
+
+def _texts(tok, tokens: list[list[int]]) -> list[str]:
+    return [tok.decode(t, skip_special_tokens=True) for t in tokens]
+
+
 # ----------------------------------------------------------------------------- the manifest itself
 
 
@@ -186,7 +205,9 @@ def test_full_model_export(tmp_path):
     assert (m.weights, m.base, m.adapter) == ("float32", None, None)
     tok = build_char_tokenizer()
     server = load_served(final)
-    assert _tokens(server.generate(_ids(tok), _greedy(tok))) == _reference(AutoModelForCausalLM.from_pretrained(final), tok)
+    want = _reference(AutoModelForCausalLM.from_pretrained(final), tok)
+    assert _tokens(server.generate(_ids(tok), _greedy(tok))) == want
+    assert _over_http(server, tok) == _texts(tok, want)  # the HTTP server answers what the door decodes
 
 
 def test_lora_adapter_export(tmp_path, model_dir):
@@ -202,6 +223,7 @@ def test_lora_adapter_export(tmp_path, model_dir):
     # the adapter served on its base by option equals the adapter dir served alone
     on_base = load_served(model_dir, ServeOptions(adapter=str(final)))
     assert _tokens(on_base.generate(_ids(tok), _greedy(tok))) == _reference(merged, tok)
+    assert _over_http(load_served(final), tok) == _texts(tok, _reference(merged, tok))
 
 
 def test_seed_drafter_export(tmp_path):
@@ -214,6 +236,8 @@ def test_seed_drafter_export(tmp_path):
     want = _tokens(plain.generate(_ids(tok), _greedy(tok)))
     assert _tokens(spec.generate(_ids(tok), _greedy(tok))) == want and any(want)  # greedy speculation is lossless
     assert spec.stats.speculative.steps > 0 and spec.stats.mean_accepted >= 1.0 and plain.stats.speculative is None
+    steps = spec.stats.speculative.steps
+    assert _over_http(spec, tok) == _texts(tok, want) and spec.stats.speculative.steps > steps  # served speculatively
 
 
 def test_skipper_export(tmp_path):
@@ -231,6 +255,7 @@ def test_skipper_export(tmp_path):
     assert _tokens(server.generate(_ids(tok), _greedy(tok))) == _reference(model, tok, use_lean=None)
     skip = server.stats.skip
     assert sum(skip.decode_run.values()) + sum(skip.decode_skip.values()) > 0
+    assert _over_http(server, tok) == _texts(tok, _reference(model, tok, use_lean=None))
     bare = load_served(final, ServeOptions(use_skipper=False))
     assert bare.skipper is None and getattr(bare.model, "skipper_state", None) is None
 
@@ -248,6 +273,8 @@ def test_quantized_export(tmp_path, monkeypatch):
     got = _tokens(load_served(final).generate(_ids(tok), _greedy(tok)))
     assert calls, "the integer GEMM of the low-bit path ran"
     assert got == _reference(session.backend.full_model(), tok)  # the trained fake-quant student's HF forward
+    calls.clear()
+    assert _over_http(load_served(final), tok) == _texts(tok, got) and calls  # on the low-bit path
     with pytest.raises(ServingError, match="weights compressed .*cannot be merged into low-bit weights"):
         load_served(final, ServeOptions(adapter=str(final)))
 
