@@ -8,7 +8,7 @@ decodes with the export's fast paths. Endpoints:
 - `GET /health`, `GET /v1/models`, `GET /metrics` (the door's stats: completions, tokens, tokens/s, the
   speculative acceptance length, the skipped share of routed layer-tokens; requests served, waiting);
 - `POST /v1/completions`: `prompt` (a string, a list of strings, token ids, or a list of token-id lists),
-  `max_tokens` (default 16), `temperature` (default 1), `top_p`, `stop` (a string or up to 4), `seed`, `n`,
+  `max_tokens` (default 16), `temperature` (default 1), `top_p`, `stop` (a string or up to 16), `seed`, `n`,
   `stream`, `logprobs` (0-5 alternatives per token) and `echo` (the prompt's tokens and, with `logprobs`,
   their log-probabilities; `max_tokens=0` with `echo` scores the prompt alone, what log-likelihood
   harnesses send);
@@ -56,7 +56,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 EXIT_USAGE = 2
-MAX_STOP = 4  # OpenAI's limit on stop strings
+MAX_STOP = 16  # stop strings per request (OpenAI allows 4; harnesses send more, as vLLM allows)
 MAX_LOGPROBS = 5  # OpenAI's limit on alternatives per token (completions)
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs limit
 UNSUPPORTED = (("presence_penalty", 0), ("frequency_penalty", 0), ("logit_bias", None), ("suffix", None),
