@@ -567,6 +567,12 @@ def model_route(model: nn.Module) -> Route:
     return dense
 
 
+def routed(model: nn.Module) -> bool:
+    """Whether some registered route kind claims `model` (its layers do not all run densely): what a cache
+    that assumes dense layers (suffix reuse, the position-independent cache) asks instead of naming a kind."""
+    return model_route(model) is not dense
+
+
 def run_layers(x, layers: Iterable[int], weights: Weights, dims: Dims, blocks: Blocks, rope_rows,
                cache: KVCache, slot: int, mask, route: Route = dense) -> torch.Tensor:
     """Run `layers` (in order) on hidden states x: (n, T, C) at slots [slot, slot + T) -> (n, T, C),

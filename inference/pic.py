@@ -208,8 +208,10 @@ def query_weights(base: Weights, deltas: Mapping[int, Tensor], dims) -> Weights:
 def pic_unsupported_reason(model: nn.Module) -> str | None:
     """Why the position-independent cache cannot serve `model` (its base, without adapters), or None.
     Algorithms that train for this cache (attuner) ask it at setup, before any work."""
-    if getattr(model, "skipper_state", None) is not None:
-        return "the position-independent cache does not serve a layer-skipper model"
+    from inference.lean import routed
+
+    if routed(model):  # a registered route (e.g. a layer skipper) claims it: its layers do not all run densely
+        return "the position-independent cache does not serve a model with routed layers (e.g. a layer skipper)"
     # The PEFT check of lean_unsupported_reason is left out: `plain_view` already swapped every LoRA
     # layer for its base (PEFT leaves a `peft_config` attribute on the model it wraps).
     from inference.lean import LEAN_ARCHITECTURES, _config_reason, _module_reason

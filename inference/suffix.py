@@ -44,11 +44,10 @@ from torch import Tensor, nn
 from inference.engine import (
     PAD_ID, Engine, EngineConfig, PaddedPrompts, check_prompts, eval_mode, left_pad, run_generation,
 )
-from inference.lean import KEY, VALUE, LeanBackend, read_dims, rope_tables, sparse_prefill
+from inference.lean import KEY, VALUE, LeanBackend, read_dims, rope_tables, routed, sparse_prefill
 from inference.relocate import relocate_keys, rope_layout
 from inference.rollout import Completion, Emitted
 from inference.sampling import SamplingParams, sample_next
-from inference.skip_routing import route_for
 
 __all__ = ["MODES", "ReuseConfig", "ReusePlan", "ReuseStats", "SessionEngine", "Span", "plan_reuse"]
 
@@ -336,7 +335,7 @@ class SessionEngine:
 
     def reusing(self) -> bool:
         """Whether the next call reuses K/V: a reuse mode on a model the lean decoder runs densely."""
-        return self.reuse.mode != "full" and self.engine.lean_active() and route_for(self.model) is None
+        return self.reuse.mode != "full" and self.engine.lean_active() and not routed(self.model)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, sessions: Sequence[Hashable],

@@ -273,6 +273,21 @@ def test_a_toy_linear_op_plugs_in_by_one_registration(make_model, prompts):
     assert toy_fastpath.CALLS["linear"] == forwards * (4 * layers + 1)  # q|k|v, o, gate|up, down; lm_head
 
 
+def test_caches_that_assume_dense_layers_ask_the_route_registry(make_model):
+    """Suffix reuse and the position-independent cache refuse a routed model through the registry: a model
+    the toy route claims (no layer skipper anywhere) is refused as a skipper model would be."""
+    from inference.pic import pic_unsupported_reason
+    from inference.suffix import ReuseConfig, SessionEngine
+    from tests.inference import toy_fastpath  # noqa: F401 -- registers the toy route
+
+    model = make_model("qwen3", num_hidden_layers=4)
+    assert pic_unsupported_reason(model) is None
+    assert SessionEngine(model, ReuseConfig(mode="prefix")).reusing()
+    model.config.toy_every_other = True
+    assert "routed layers" in pic_unsupported_reason(model)
+    assert not SessionEngine(model, ReuseConfig(mode="prefix")).reusing()  # a full re-prefill instead
+
+
 def test_a_toy_route_plugs_in_by_one_registration(make_model, prompts):
     """A model flagged for the toy route runs its even layers only: the same tokens as the model cut
     down to those layers, run by the HF forward."""
