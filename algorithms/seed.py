@@ -351,7 +351,8 @@ class SEED:
         runtime (inference.speculative) is not available or cannot run this model."""
         try:
             from inference import SamplingParams
-            from inference.speculative import SpeculativeDecoder
+            from inference.serving import ServeOptions, serve_model
+            from inference.speculative import SpeculativeDecoder  # noqa: F401 -- the door's speculative path
         except ImportError as err:
             log.warning("SEED drafter eval skipped: inference.speculative is not available (%s)", err)
             return {}
@@ -369,16 +370,16 @@ class SEED:
         was_training = lm.training
         lm.eval()
         try:
-            dec = SpeculativeDecoder(lm, mode="seed", decoder_layers=self.cfg.decoder_layers,
-                                     draft_len=self.cfg.draft_len, confidence=self.cfg.confidence,
-                                     adaptive=self.cfg.adaptive)
+            server = serve_model(lm, ServeOptions(  # the live model behind the door, as its export will be served
+                speculative="seed", decoder_layers=self.cfg.decoder_layers, draft_len=self.cfg.draft_len,
+                confidence=self.cfg.confidence, adaptive=self.cfg.adaptive), tokenizer)
             prompts = [encode_prompt(tokenizer, task.prompt(ex)) for ex in examples]
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                                     stop_token_ids=stop_ids(tokenizer, generation_eos(lm)))
-            _, stats = dec.generate(prompts, params)
+            server.generate(prompts, params)
         finally:
             lm.train(was_training)
-        return {"seed/mean_accepted": float(stats.mean_accepted)}
+        return {"seed/mean_accepted": float(server.stats.mean_accepted)}
 
     def drafter_spec(self) -> dict:
         return {"decoder_layers": self.cfg.decoder_layers, "block_size": self.cfg.block_size,

@@ -154,7 +154,7 @@ class ServeOptions:
     adapter: a PEFT LoRA adapter dir merged onto the model. skipper: a skipper dir to serve on the
     model (None: the manifest's); use_skipper=False serves the base without it. speculative: None, "seed"
     (the export's seed_drafter.json, or the adapter dir's) or "external" (`drafter`: a model dir
-    sharing the tokenizer). draft_len / confidence / adaptive: override the drafter spec. artifacts:
+    sharing the tokenizer). draft_len / confidence / adaptive / decoder_layers: override the drafter spec. artifacts:
     serve over a position-independent artifact cache (`Server.artifact_engine`): the base unmerged,
     with `adapter` -- or the export itself, an Attuner adapter -- as its query-side adapter. dtype:
     the dtype full-precision weights load in (None: the one they were saved in; evaluation loads
@@ -170,6 +170,7 @@ class ServeOptions:
     draft_len: int | None = None
     confidence: float | None = None
     adaptive: bool | None = None
+    decoder_layers: int | None = None
     artifacts: bool = False
     device: str = "cpu"
     dtype: str | None = None
@@ -237,7 +238,8 @@ class Server:
 
         o = self.options
         overrides = {key: value for key, value in (("draft_len", o.draft_len), ("confidence", o.confidence),
-                                                   ("adaptive", o.adaptive)) if value is not None}
+                                                   ("adaptive", o.adaptive), ("decoder_layers", o.decoder_layers))
+                     if value is not None}
         if o.engine.max_seq_len is not None:
             overrides["max_seq_len"] = o.engine.max_seq_len
         overrides["compile"] = o.engine.compile
