@@ -69,11 +69,12 @@ def test_attuner_tables():
 def renderers():
     """{result file stem (or stem prefix ending in '-'): the render that turns its JSON into its .md}."""
     from benchmarks import (compose, distill_memory, grpo_skip, grpo_update, lowbit_matmul, mass_teachers, qad,
-                            real_model, selfdistill_tokens, speculative)
+                            real_model, selfdistill_tokens, serve_load, speculative)
 
     return {"compose": compose.render, "distill_memory": distill_memory.render, "grpo_skip-": grpo_skip.render,
             "grpo_update": grpo_update.render, "lowbit_matmul": lowbit_matmul.render, "mass_teachers": mass_teachers.render,
             "qad": qad.render, "real_model": real_model.render_tables, "selfdistill_tokens-": selfdistill_tokens.render,
+            "serve_load": serve_load.render,
             "speculative": speculative.render, "generate": generate.render, "skipper": skipper.render, "skipper-": skipper.render,
             "attuner_ttft": attuner.render_ttft, "attuner_accuracy-": attuner.render_accuracy}
 
