@@ -41,6 +41,8 @@ import argparse
 import asyncio
 import json
 import math
+import os
+import signal
 import sys
 import threading
 import time
@@ -51,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+import uvicorn
 from fastapi import FastAPI, Request  # module level: the handlers' annotations must resolve here
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -237,9 +240,9 @@ class Backend:
         threading.Thread(target=self._loop, name="engine", daemon=True).start()
         self.rng = torch.Generator().manual_seed(int(time.time_ns() % (2**31)))
         config = getattr(server.model, "config", None)
-        positions = getattr(config, "max_position_embeddings", None)
-        cap = server.options.engine.max_seq_len
-        self.positions = min(p for p in (positions, cap) if isinstance(p, int) and p > 0) if (positions or cap) else None
+        known = [p for p in (getattr(config, "max_position_embeddings", None), server.options.engine.max_seq_len)
+                 if isinstance(p, int) and p > 0]
+        self.positions = min(known) if known else None  # the model's positions, or the engine's cap if lower
 
     def encode(self, prompt: Any) -> list[int]:
         from models.prompts import prompt_ids
@@ -578,15 +581,11 @@ def main(argv: list[str] | None = None) -> int:
         if problem is not None:
             print(f"error: {flag}: {problem}", file=sys.stderr)
             return EXIT_USAGE
-    import os
-
     if args.adapter and not os.path.exists(os.path.join(args.adapter, ADAPTER_CONFIG)):
         print(f"error: --adapter {args.adapter} is not a PEFT adapter dir (no {ADAPTER_CONFIG})", file=sys.stderr)
         return EXIT_USAGE
     if args.drafter and args.speculative is None:
         args.speculative = "external"
-    import uvicorn
-
     from inference.engine import EngineConfig
     from inference.serving import ServeOptions, ServingError, load_served
 
@@ -606,26 +605,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _graceful_server_class():
-    import signal
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, but SIGTERM is the normal way to stop: after the graceful shutdown the process exits 0
+    instead of re-raising the signal on itself."""
 
-    import uvicorn
-
-    class Graceful(uvicorn.Server):
-        """uvicorn's server, but SIGTERM is the normal way to stop: after the graceful shutdown the process
-        exits 0 instead of re-raising the signal on itself."""
-
-        def handle_exit(self, sig, frame) -> None:
-            if sig == signal.SIGTERM:
-                self.should_exit = True
-                return
-            super().handle_exit(sig, frame)
-
-    return Graceful
-
-
-def GracefulServer(config):  # noqa: N802  (a class built on first use: uvicorn is imported only when serving)
-    return _graceful_server_class()(config)
+    def handle_exit(self, sig, frame) -> None:
+        if sig == signal.SIGTERM:
+            self.should_exit = True
+            return
+        super().handle_exit(sig, frame)
 
 
 if __name__ == "__main__":
