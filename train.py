@@ -26,6 +26,7 @@ def main(argv: list[str]) -> int:
 def run(cfg) -> int:
     from models.anatomy import UnsupportedModel
     from models.model_dir import ModelDirError
+    from inference.serving import ServingError
     from models.prompts import ChatTemplateError
     from tasks import DataError
     from trainer.checkpoint import CheckpointError
@@ -62,7 +63,7 @@ def run(cfg) -> int:
     except DataError as err:
         print(f"data error: {err}", file=sys.stderr)
         code = EXIT_DATA
-    except (ChatTemplateError, UnsupportedModel, ModelDirError) as err:  # found once the tokenizer / model is loaded
+    except (ChatTemplateError, UnsupportedModel, ModelDirError, ServingError) as err:  # found once the tokenizer / model is loaded
         print(f"config error: {err}", file=sys.stderr)
         code = EXIT_CONFIG
     except NonFiniteLossError as err:

@@ -245,12 +245,14 @@ class Attuner:
 
     def _serve(self, model: nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any], max_new_tokens: int,
                mode: str = "pic", adapter: Any = None) -> list[list[int]]:
-        from inference.pic import PICConfig, PICServer
+        from inference.pic import PICConfig
         from inference.sampling import SamplingParams
+        from inference.serving import ServeOptions, serve_model
 
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                                 stop_token_ids=stop_ids(tokenizer, generation_eos(model)))
-        server = PICServer(unwrap(model), tokenizer, PICConfig(mode=mode), adapter=adapter)
+        served = serve_model(unwrap(model), ServeOptions(artifacts=True), tokenizer)
+        server = served.artifact_server(PICConfig(mode=mode), adapter)
         return [c.tokens for c in server.generate([task.segments(ex) for ex in examples], params)]
 
     def eval_completions(self, model: nn.Module, tokenizer: Any, task: Any, examples: Sequence[Any],

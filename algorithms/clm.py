@@ -320,9 +320,11 @@ class CLM(ReferenceAndRetirementState):
         return train_all_or_lora(model, self.cfg)
 
     def engine(self, model: nn.Module, engine_config: Any = None) -> "SessionEngine":
-        from inference.suffix import SessionEngine
+        from inference.engine import EngineConfig
+        from inference.serving import ServeOptions, serve_model
 
-        return SessionEngine(model, self.cfg.reuse_config(), engine_config)
+        options = ServeOptions(engine=engine_config or EngineConfig())
+        return serve_model(model, options).sessions(self.cfg.reuse_config())
 
     # --- rollouts ---------------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import torch  # noqa: E402
 
 from inference.lean import LeanBackend, read_dims, rope_tables  # noqa: E402
-from inference.skip_routing import SkipRoute, route_for  # noqa: E402
+from inference.skip_routing import SkipRoute, SkipStats, route_for  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- widening
@@ -221,8 +221,8 @@ def quality(model, tok, args) -> dict:
     from trainer.evaluation import evaluate
 
     task = build_task("arith", seed=0, n_train=20000, n_test=200, digits=2, steps=2, ops=("+", "-"))
-    engine = Engine(model)  # its skip_stats sum the routed layers' counts over every eval batch
-    stats = engine.skip_stats
+    stats = SkipStats()  # the routed layers' counts, summed over every eval batch
+    engine = Engine(model, route_stats={"skip": stats})
     result = evaluate(model, tok, task, list(task.test_examples())[: args.eval_examples], World(), 128, engine=engine)
     routed = getattr(getattr(model, "skipper_state", None), "spec", None)
     if routed is not None:

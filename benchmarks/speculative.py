@@ -222,7 +222,8 @@ def main() -> None:
                 def go():
                     outs, total = [], SpecStats()
                     for g in groups:
-                        cs, st = dec.generate(g, params, generator=torch.Generator().manual_seed(0))
+                        cs = dec.generate(g, params, generator=torch.Generator().manual_seed(0))
+                        st = dec.stats
                         outs += cs
                         total.add(st)
                     return outs, total

@@ -51,13 +51,12 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import torch
 from torch import nn
 
-from inference import lowbit  # noqa: F401 -- registers the low-bit linear kinds (seam 2)
 from inference.hf_backend import HFBackend
 from inference.lean import (
-    EAGER, LeanBackend, Rope, compiled_blocks, lean_unsupported_reason, read_dims, rope_tables,
+    EAGER, ROUTE_MODES, LeanBackend, Rope, RouteContext, compiled_blocks, lean_unsupported_reason, model_route,
+    read_dims, rope_tables,
 )
 from inference.rollout import Completion, Emitted, Rollout
-from inference.skip_routing import MODES as SKIP_MODES, SkipStats, route_for
 from inference.sampling import SamplingParams, sample_next
 
 __all__ = ["Completion", "Engine", "EngineConfig", "SamplingParams"]
@@ -86,8 +85,8 @@ class EngineConfig:
     skip_mode: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.skip_mode not in SKIP_MODES:
-            raise ValueError(f"EngineConfig.skip_mode={self.skip_mode!r} is not one of {', '.join(SKIP_MODES)}")
+        if self.skip_mode not in ROUTE_MODES:
+            raise ValueError(f"EngineConfig.skip_mode={self.skip_mode!r} is not one of {', '.join(ROUTE_MODES)}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -253,14 +252,15 @@ class Engine:
     """Batched generation over a live `transformers` causal LM; see `EngineConfig` for the knobs.
 
     Engine(model, config) or, as before configs existed, Engine(model, max_seq_len=..., use_lean=...,
-    compile=...); a keyword that is passed overrides the config's field. A layer-skipper model's
-    routed layers count what ran and what was skipped into `skip_stats`, summed over this engine's
-    calls (pass one to share it, e.g. a Server's).
+    compile=...); a keyword that is passed overrides the config's field. A model that needs a
+    route (a layer skipper's, `lean.model_route`) gets it from the route registry; the route counts
+    into `route_stats[its kind]` (a skip route: a SkipStats under "skip"), summed over this engine's
+    calls (pass a dict to share them, e.g. a Server's).
     """
 
     def __init__(self, model: nn.Module, config: EngineConfig | None = None, *,
                  max_seq_len: int | None = _FROM_CONFIG, use_lean: bool | None = _FROM_CONFIG,
-                 compile: bool = _FROM_CONFIG, skip_stats: SkipStats | None = None):
+                 compile: bool = _FROM_CONFIG, route_stats: dict | None = None):
         passed = {"max_seq_len": max_seq_len, "use_lean": use_lean, "compile": compile}
         overrides = {key: value for key, value in passed.items() if value is not _FROM_CONFIG}
         self.config = dataclasses.replace(config or EngineConfig(), **overrides)
@@ -273,8 +273,9 @@ class Engine:
         self._rope: Rope | None = None  # RoPE tables, reused across calls while still valid
         self._compiled = None  # the torch.compile'd layer halves (compile=True), built on first use
         self.route = None  # the last lean call's route (seam 3)
-        self.skip_stats = skip_stats if skip_stats is not None else SkipStats()
-        self.skip_timings: dict = {}  # the skip route's cost-gate timings, measured once per shape for this engine
+        # the routes' mode, counts (route_stats, e.g. a skip route's under "skip"; shared when passed) and
+        # cost-gate timings, measured once per shape for this engine (lean.RouteContext)
+        self.routes = RouteContext(self.config.skip_mode, {} if route_stats is None else route_stats)
 
     def _require_lean(self) -> None:
         reason = lean_unsupported_reason(self.model)
@@ -298,7 +299,7 @@ class Engine:
             self._compiled = compiled_blocks()
         blocks = self._compiled if self.compile else EAGER
         backend = LeanBackend(self.model, dims, self._rope, batch, max_len, blocks,
-                              route=route_for(self.model, self.config.skip_mode, self.skip_stats, self.skip_timings))
+                              route=model_route(self.model, self.routes))
         self.route = backend.route
         return backend
 

@@ -40,7 +40,8 @@ into without touching the layer math:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 import torch
@@ -91,6 +92,7 @@ def _config_reason(model: nn.Module) -> str | None:
 
 
 def _module_reason(model: nn.Module) -> str | None:
+    registered()
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and type(module) not in LINEAR_KINDS:
             return f"{name} is a {type(module).__name__}, not a plain torch.nn.Linear"
@@ -220,8 +222,24 @@ class LinearKind:
     key: Callable[[nn.Module], Any] = lambda module: "float"
 
 
-# The linear registry: module type (exact, not subclasses) -> its kind. Filled when the modules that
-# define fast paths are imported (`lowbit.py`), never changed afterwards.
+# The modules that fill the linear and route registries (seams 2 and 3) when imported. They are imported the
+# first time a registry is read, so neither the engine nor any caller imports a fast path to have it run: a new
+# weight format or route is one module that calls `register_linear` / `register_route`, plus its name here.
+FAST_PATHS = ("inference.lowbit", "inference.skip_routing")
+_fast_paths_loaded = False
+
+
+def registered() -> None:
+    """Import the FAST_PATHS modules once, so both registries are complete before they are read."""
+    global _fast_paths_loaded
+    if not _fast_paths_loaded:
+        for name in FAST_PATHS:
+            importlib.import_module(name)
+        _fast_paths_loaded = True
+
+
+# The linear registry: module type (exact, not subclasses) -> its kind. Filled by the FAST_PATHS modules
+# (`lowbit.py`), never changed afterwards.
 LINEAR_KINDS: dict[type, LinearKind] = {nn.Linear: LinearKind(operand=lambda module: module.weight.detach())}
 
 
@@ -251,6 +269,7 @@ def _projection(linear: LinearOp, *modules: nn.Module) -> Projection:
     by its op (`linear` for a kind without its own op). Otherwise each module is its own projection
     and the outputs are concatenated.
     """
+    registered()
     kinds = [LINEAR_KINDS[type(m)] for m in modules]
     if len({kind.key(m) for kind, m in zip(kinds, modules)}) > 1:
         return Projection([_projection(linear, m) for m in modules], None, _concat)
@@ -540,17 +559,35 @@ class Route:
 dense = Route()
 
 
+# How a route runs its routed rows, chosen per engine (`EngineConfig.skip_mode`): auto (a cost gate that
+# measures both once per shape), routed (only the rows that run a layer go through it), masked (every row
+# runs and the skipped ones are masked out).
+ROUTE_MODES = ("auto", "routed", "masked")
+
+
+@dataclass
+class RouteContext:
+    """What one engine keeps for the routes it builds, over its calls: the mode it was asked for
+    (ROUTE_MODES), each kind's counts (`stats[kind name]`, e.g. a skip route's SkipStats; pass a dict to
+    share them, as a Server does) and each kind's measured timings (`timings[kind name]`)."""
+
+    mode: str = "auto"
+    stats: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class RouteKind:
-    """A route some models need (seam 3): `route(model)` builds it for a model that needs it (None
-    otherwise); `unsupported(model)` says why the lean path cannot run such a model (None: it can)."""
+    """A route some models need (seam 3): `route(model, context)` builds it for a model that needs it (None
+    otherwise), counting into `context.stats[name]`; `unsupported(model)` says why the lean path cannot
+    run such a model (None: it can)."""
 
-    route: Callable[[nn.Module], Optional[Route]]
+    name: str
+    route: Callable[[nn.Module, RouteContext], Optional[Route]]
     unsupported: Callable[[nn.Module], Optional[str]] = lambda model: None
 
 
-# The route registry, filled when the modules that define routes are imported (`skip_routing.py`),
-# never changed afterwards.
+# The route registry, filled by the FAST_PATHS modules (`skip_routing.py`), never changed afterwards.
 ROUTE_KINDS: list[RouteKind] = []
 
 
@@ -558,10 +595,13 @@ def register_route(kind: RouteKind) -> None:
     ROUTE_KINDS.append(kind)
 
 
-def model_route(model: nn.Module) -> Route:
-    """The route `model` needs: the first registered kind that builds one, else `dense`."""
+def model_route(model: nn.Module, context: RouteContext | None = None) -> Route:
+    """The route `model` needs: the first registered kind that builds one (with `context`: the engine's
+    mode, counts and timings; None: a fresh one), else `dense`."""
+    registered()
+    context = RouteContext() if context is None else context
     for kind in ROUTE_KINDS:
-        route = kind.route(model)
+        route = kind.route(model, context)
         if route is not None:
             return route
     return dense

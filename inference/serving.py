@@ -38,11 +38,11 @@ from inference.artifacts import (
 )
 from inference.engine import Completion, Engine, EngineConfig
 from inference.sampling import SamplingParams
-from inference.skip_routing import SkipStats
+from inference.skip_routing import SKIP, SkipStats
 from inference.speculative import MODES as SPECULATIVE_MODES, SpecStats
 
-__all__ = ["ServeOptions", "ServeStats", "Server", "ServingError", "describe", "load_served", "manifest_of",
-           "serve", "serve_model", "write_serving_manifest"]
+__all__ = ["ServeOptions", "ServeStats", "Server", "ServingError", "describe", "load_served", "load_weights",
+           "manifest_of", "serve", "serve_model", "write_serving_manifest"]
 
 ADAPTER_CONFIG = "adapter_config.json"  # what marks a PEFT adapter dir
 MODEL_CONFIG = "config.json"
@@ -230,7 +230,7 @@ class Server:
         self.query_adapter: dict | None = None  # artifacts: layer -> q_proj delta of the query-side adapter
         self.adapter_dir: str | None = None  # artifacts: where that adapter was read
         self.stats = ServeStats(skip=SkipStats(), speculative=SpecStats() if options.speculative else None)
-        self.engine = Engine(model, options.engine, skip_stats=self.stats.skip)
+        self.engine = Engine(model, options.engine, route_stats={SKIP: self.stats.skip})
         self.decoder = self._decoder(seed_dir) if options.speculative else None
 
     def _decoder(self, seed_dir: str | None):
@@ -274,6 +274,25 @@ class Server:
             raise ServingError(f"{self.path}: opened without artifacts=True: no artifact cache to serve over")
         return PICEngine(self.model, ArtifactCache(self.model, prefix=prefix), config, adapter=self.query_adapter)
 
+    def artifact_server(self, config: Any = None, adapter: dict | None = None):
+        """A pic.PICServer over this (artifacts) server's base: prompts given as segments, one artifact
+        cache per shared prefix, `adapter` (layer -> q_proj delta; None: this server's query-side adapter,
+        or for a live model its own LoRA deltas; {}: none) on the query and generated tokens."""
+        from inference.pic import PICServer
+
+        if not self.options.artifacts:
+            raise ServingError(f"{self.path}: opened without artifacts=True: no artifact cache to serve over")
+        return PICServer(self.model, self.tokenizer, config, adapter=self.query_adapter if adapter is None else adapter)
+
+    def sessions(self, reuse: Any = None):
+        """A suffix.SessionEngine over this server's model and engine options: multi-turn sessions whose
+        next prompt reuses their previous K/V as `reuse` (a suffix.ReuseConfig) says."""
+        from inference.suffix import SessionEngine
+
+        if self.decoder is not None or self.options.artifacts:
+            raise ServingError(f"{self.path}: sessions serve plain decoding (no speculative decoding or artifacts)")
+        return SessionEngine(self.model, reuse, self.options.engine)
+
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  generator: torch.Generator | None = None) -> list[Completion]:
         if self.options.artifacts:
@@ -282,8 +301,8 @@ class Server:
         if self.decoder is None:
             completions = self.engine.generate(prompts, params, generator)
         else:
-            completions, spec = self.decoder.generate(prompts, params, generator)
-            self.stats.speculative.add(spec)
+            completions = self.decoder.generate(prompts, params, generator)
+            self.stats.speculative.add(self.decoder.stats)
         self.stats.seconds += time.perf_counter() - start
         self.stats.calls += 1
         self.stats.completions += len(completions)
@@ -305,15 +324,7 @@ def load_served(path: str | os.PathLike, options: ServeOptions | None = None) ->
         raise ServingError(f"{where}: kind attuner is a query-side adapter for an artifact cache: serve it "
                            "with artifacts (ServeOptions(artifacts=True); python -m inference DIR --artifacts ...)")
     drafter = _check_request(path, manifest, options)  # before any weights load
-    if manifest.weights == "compressed":
-        from inference.quantized import load_quantized
-
-        try:
-            model, tokenizer = load_quantized(path, options.device)
-        except ValueError as err:
-            raise ServingError(f"{where}: weights compressed: {err}") from None
-    else:
-        model, tokenizer = _load_dense(path, manifest, options)
+    model, tokenizer = _load_weights(path, manifest, options)
     skipper = _attach_skipper(model, path, manifest, options)
     drafter_model = None
     if drafter is not None:
@@ -321,6 +332,31 @@ def load_served(path: str | os.PathLike, options: ServeOptions | None = None) ->
     seed_dir = options.adapter if options.adapter and os.path.exists(
         os.path.join(options.adapter, SEED_DRAFTER_FILE)) else path
     return Server(model, tokenizer, options, manifest, path, skipper, drafter_model, seed_dir)
+
+
+def load_weights(path: str | os.PathLike, options: ServeOptions | None = None):
+    """(model, tokenizer) of the export at `path` as its manifest says its weights load -- compressed
+    weights on the low-bit path, full precision in `options.dtype` (else the saved dtype), an adapter dir
+    merged into its base -- without attaching a skipper or a drafter: the trainer's loader. A hub id (no
+    local dir) loads as a full-precision model."""
+    options = options or ServeOptions()
+    path = str(path)
+    if not os.path.isdir(path):
+        from models.loading import load_pretrained
+
+        return load_pretrained(path, options.dtype or "float32", options.trust_remote_code)
+    return _load_weights(path, manifest_of(path), options)
+
+
+def _load_weights(path: str, manifest: ServingManifest, options: ServeOptions):
+    if manifest.weights == "compressed":
+        from inference.quantized import load_quantized
+
+        try:
+            return load_quantized(path, options.device)
+        except ValueError as err:
+            raise ServingError(f"{os.path.join(path, SERVING_FILE)}: weights compressed: {err}") from None
+    return _load_dense(path, manifest, options)
 
 
 def _load_for_artifacts(path: str, manifest: ServingManifest, options: ServeOptions) -> Server:

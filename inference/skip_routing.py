@@ -36,10 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference.lean import Projection, Route, RouteKind, _projection, apply_rope, decoder_layer, register_route, rms_norm
+from inference.lean import (
+    ROUTE_MODES, Projection, Route, RouteContext, RouteKind, _projection, apply_rope, decoder_layer, register_route,
+    rms_norm,
+)
 from models.skipper import SkipperSpec, gate_scales, gate_values, router_logits
 
-MODES = ("auto", "routed", "masked")
+MODES = ROUTE_MODES
 CALIBRATION_REPEATS = 5
 
 
@@ -325,5 +328,15 @@ class SkipRoute(Route):
         return out
 
 
+def _engine_route(model: nn.Module, context: RouteContext) -> Optional["SkipRoute"]:
+    """The skip route an engine builds: its mode, counting into `context.stats["skip"]`, its cost gate's
+    timings kept in `context.timings["skip"]`."""
+    if getattr(model, "skipper_state", None) is None:
+        return None
+    return route_for(model, context.mode, context.stats.setdefault(SKIP, SkipStats()),
+                     context.timings.setdefault(SKIP, {}))
+
+
 # Seam 3: a model with a layer skipper is served through its skip route (`lean.register_route`).
-register_route(RouteKind(route=route_for, unsupported=skipper_unsupported))
+SKIP = "skip"
+register_route(RouteKind(name=SKIP, route=_engine_route, unsupported=skipper_unsupported))

@@ -2,8 +2,8 @@
 
     decoder = SpeculativeDecoder(model, mode="seed", decoder_layers=2)          # self-speculative
     decoder = SpeculativeDecoder(model, mode="external", drafter=small_model)   # separate drafter
-    completions, stats = decoder.generate(prompt_ids, SamplingParams(temperature=0.0, ...))
-    stats.mean_accepted   # tokens emitted per verify forward (the acceptance length)
+    completions = decoder.generate(prompt_ids, SamplingParams(temperature=0.0, ...))
+    decoder.stats.mean_accepted   # the last call's tokens emitted per verify forward (the acceptance length)
 
 One round, per live row (x = the last emitted token, at position n, its K/V not yet cached):
   1. Draft d_1..d_m. SEED: the EMBEDDING of x goes straight into the top `decoder_layers` layers
@@ -61,7 +61,6 @@ from inference.lean import (
 from inference.lowbit import LowBitLinear
 from inference.rollout import Completion, Emitted
 from inference.sampling import SamplingParams, top_k_filter, top_p_filter
-from inference.skip_routing import route_for
 from models.quant import FakeQuantLinear
 
 __all__ = ["SpecStats", "SpeculativeDecoder", "SpeculativeMode", "accept_greedy", "accept_sampled",
@@ -184,7 +183,7 @@ class MaskedCache:
     def __init__(self, model: nn.Module, batch: int, capacity: int, blocks: Blocks = EAGER):
         self.dims = read_dims(model)
         self.rope = rope_tables(model, capacity + 1)
-        self.lean = LeanBackend(model, self.dims, self.rope, batch, capacity, blocks, route=route_for(model))
+        self.lean = LeanBackend(model, self.dims, self.rope, batch, capacity, blocks)  # the route the model needs
         self.cache = self.lean.cache
         self.capacity = capacity
         self.slot = 0
@@ -297,6 +296,7 @@ class SpeculativeDecoder:
         # compile: the cache-free halves of every layer torch.compile'd, in draft steps and verification
         # alike (as EngineConfig.compile does for plain decoding); built once per decoder
         self.blocks = compiled_blocks() if compile else EAGER
+        self.stats = SpecStats()  # the last generate call's counts
         self._check()
 
     @classmethod
@@ -326,9 +326,10 @@ class SpeculativeDecoder:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None) -> tuple[list[Completion], SpecStats]:
-        """Complete every prompt (token ids). Returns (one Completion per prompt in order, stats)."""
-        stats = SpecStats()
+                 generator: torch.Generator | None = None) -> list[Completion]:
+        """Complete every prompt (token ids): one Completion per prompt, in order, as `Engine.generate`.
+        This call's counts are in `self.stats` afterwards."""
+        stats = self.stats = SpecStats()
         if prompts:
             self._check()  # at every call, like the Engine's lean check: model surgery is seen
         models = [self.model] if self.drafter is None else [self.model, self.drafter]
@@ -338,7 +339,7 @@ class SpeculativeDecoder:
 
         completions = run_generation(models, prompts, params, self.max_seq_len, mode, generator)
         stats.emitted = sum(len(c.tokens) for c in completions)
-        return completions, stats
+        return completions
 
 
 class SpeculativeMode:

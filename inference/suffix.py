@@ -338,9 +338,10 @@ class SessionEngine:
         return self.reuse.mode != "full" and self.engine.lean_active() and not routed(self.model)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams, sessions: Sequence[Hashable],
-                 generator: torch.Generator | None = None) -> list[Completion]:
-        """Complete every prompt (token ids) of its session (sessions[b]); one Completion per prompt."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None = None,
+                 *, sessions: Sequence[Hashable]) -> list[Completion]:
+        """Complete every prompt (token ids) of its session (sessions[b]); one Completion per prompt, as
+        `Engine.generate` (whose arguments come first, in the same order)."""
         self._check(prompts, sessions)
         if not prompts:
             self.stats = []

@@ -21,7 +21,6 @@ import yaml
 from algorithms import build_algorithm
 from algorithms.base import Algorithm, Capabilities, capabilities
 from models.loading import build_tiny, load_pretrained
-from models.quant_export import is_compressed
 from tasks import DataError, TaskConfig, task_capabilities
 from tasks.chat_template import with_chat
 from tasks.lengths import LengthLimits, fit_lengths
@@ -106,13 +105,12 @@ def load_model(m: ModelConfig, world: World):
     (trainer/warm_start.py, run by train.py before the session) has built. Weights load in fp32 whatever
     model.dtype says: they are the master weights, and model.dtype is the compute dtype
     (trainer/precision.py: every forward runs under its autocast)."""
-    if m.path is not None:
-        path = os.path.expanduser(m.path)
-        if is_compressed(path):  # a low-bit export as the frozen base (config validation admits it per algorithm)
-            from inference.quantized import load_quantized
+    if m.path is not None:  # through the serving door: loaded as its manifest says (a low-bit export on the
+        # low-bit path, as the frozen base config validation admits per algorithm; an adapter merged into its base)
+        from inference.serving import ServeOptions, load_weights
 
-            return load_quantized(path)
-        return load_pretrained(path, "float32", m.trust_remote_code)
+        options = ServeOptions(dtype="float32", trust_remote_code=m.trust_remote_code)
+        return load_weights(os.path.expanduser(m.path), options)
     m = default_model.resolve(m)
     if m.warm_start_steps == 0:
         return build_tiny(default_model.spec(m), m.seed)

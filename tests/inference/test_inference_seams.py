@@ -79,7 +79,7 @@ def test_both_modes_stop_through_the_one_rule(qwen3, prompts, monkeypatch):
     plain = Engine(qwen3).generate(prompts, params)
     plain_calls, calls[:] = len(calls), []
     spec = SpeculativeDecoder(qwen3, mode="external", drafter=qwen3, adaptive=False, draft_len=3)
-    outs, _ = spec.generate(prompts, params)
+    outs = spec.generate(prompts, params)
     assert plain_calls > 0 and calls and max(calls) > 2  # speculative chunks go through it too
     assert [o.tokens for o in outs] == [o.tokens for o in plain]
     assert plain[0].finish_reason == "stop" and tuple(plain[0].tokens[-2:]) == seq
@@ -311,3 +311,30 @@ def test_a_toy_route_plugs_in_by_one_registration(make_model, prompts):
     want = [o.tokens for o in Engine(cut, EngineConfig(use_lean=False)).generate(prompts, GREEDY)]
     full = [o.tokens for o in Engine(make_model("qwen3", num_hidden_layers=4)).generate(prompts, GREEDY)]
     assert got == want and got != full
+
+
+def test_fast_paths_register_without_the_engine_importing_them():
+    """A fresh interpreter that imports only the engine has no fast-path module loaded; the first registry
+    read loads them (lean.FAST_PATHS), so a fake-quant model runs on the lean path with the registered op."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+import torch
+import inference.engine
+assert "inference.lowbit" not in sys.modules and "inference.skip_routing" not in sys.modules, "imported early"
+from inference.lean import LINEAR_KINDS, lean_unsupported_reason
+from models.quant import FakeQuantLinear, QuantScheme, apply_fake_quant
+from models.loading import TinySpec, build_tiny
+model, _ = build_tiny(TinySpec(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), 0)
+apply_fake_quant(model, QuantScheme(weight_bits=4, act_bits=None))
+assert FakeQuantLinear not in LINEAR_KINDS
+assert lean_unsupported_reason(model) is None, lean_unsupported_reason(model)
+assert "inference.lowbit" in sys.modules and "inference.skip_routing" in sys.modules
+out = inference.engine.Engine(model).generate([[1, 2, 3]], inference.engine.SamplingParams(max_new_tokens=3))
+assert len(out[0].tokens) > 0
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from inference.artifacts import SERVING_FILE, ManifestError, ServingManifest, read_manifest
 from inference.engine import EngineConfig
@@ -224,6 +225,18 @@ def test_lora_adapter_export(tmp_path, model_dir):
     on_base = load_served(model_dir, ServeOptions(adapter=str(final)))
     assert _tokens(on_base.generate(_ids(tok), _greedy(tok))) == _reference(merged, tok)
     assert _over_http(load_served(final), tok) == _texts(tok, _reference(merged, tok))
+    trained = _trainer_load(final)  # the trainer's loader opens the adapter dir through the same door: merged
+    assert [k for k in trained.state_dict()] == [k for k in merged.state_dict()]
+    assert all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(), merged.state_dict().values()))
+
+
+def _trainer_load(path: Path):
+    from trainer.config import ModelConfig
+    from trainer.distributed import World
+    from trainer.setup import load_model
+
+    model, _ = load_model(ModelConfig(name="hf", path=str(path)), World())
+    return model
 
 
 def test_seed_drafter_export(tmp_path):
@@ -277,6 +290,10 @@ def test_quantized_export(tmp_path, monkeypatch):
     assert _over_http(load_served(final), tok) == _texts(tok, got) and calls  # on the low-bit path
     with pytest.raises(ServingError, match="weights compressed .*cannot be merged into low-bit weights"):
         load_served(final, ServeOptions(adapter=str(final)))
+    trained = _trainer_load(final)  # the trainer's loader follows the manifest too: the low-bit path, frozen
+    assert any(isinstance(m, lowbit.LowBitLinear) for m in trained.modules())
+    calls.clear()
+    assert _reference(trained, tok, use_lean=None) == got and calls
 
 
 def test_attuner_export(tmp_path, model_dir):
@@ -339,3 +356,27 @@ def test_no_module_level_mutable_state_in_the_runtime():
     from inference import skip_routing
 
     assert not hasattr(skip_routing, "SHARED_STATS") and not hasattr(skip_routing, "_MEASURED")
+
+
+def test_sessions_and_artifact_servers_open_through_the_door(make_model, prompts):
+    """What clm and attuner decode with comes from a Server: its sessions equal the plain engine on a first
+    turn, and a second turn reusing the prefix equals a fresh prefill; modes that cannot serve them say so."""
+    from inference import Engine, SamplingParams
+    from inference.pic import PICServer
+    from inference.serving import serve_model
+    from inference.suffix import ReuseConfig
+
+    model = make_model("qwen3")
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    plain = _tokens(Engine(model).generate(prompts, params))
+    sessions = serve_model(model).sessions(ReuseConfig(mode="prefix"))
+    names = [str(i) for i in range(len(prompts))]
+    assert _tokens(sessions.generate(prompts, params, sessions=names)) == plain
+    follow = [p + c + [5, 6] for p, c in zip(prompts, plain)]
+    assert _tokens(sessions.generate(follow, params, sessions=names)) == _tokens(Engine(model).generate(follow, params))
+    assert all(s.prefix_tokens > 0 for s in sessions.stats)  # the second turn reused its session's K/V
+    with pytest.raises(ServingError, match="sessions serve plain decoding"):
+        serve_model(model, ServeOptions(speculative="seed")).sessions()
+    assert isinstance(serve_model(model, ServeOptions(artifacts=True)).artifact_server(), PICServer)
+    with pytest.raises(ServingError, match="opened without artifacts=True"):
+        serve_model(model).artifact_server()

@@ -182,14 +182,14 @@ def test_cost_gate_break_even_by_hand_and_measured_once_per_shape_per_engine(mod
     engine = Engine(skip, EngineConfig(skip_mode="auto"))
     params = SamplingParams(max_new_tokens=12, temperature=0.0)
     engine.generate(PROMPTS, params)
-    measured = dict(engine.skip_timings)
+    measured = dict(engine.routes.timings["skip"])
     assert measured and all(-1.0 <= v <= key[1] for key, v in measured.items())
     engine.generate(PROMPTS, params)
-    assert engine.skip_timings == measured  # a second call of the same engine measures nothing new
-    executed = engine.skip_stats.executed
+    assert engine.routes.timings["skip"] == measured  # a second call of the same engine measures nothing new
+    executed = engine.routes.stats["skip"].executed
     assert executed["routed"] + executed["masked"] > 0
     _, other = greedy(skip, PROMPTS, skip_mode="auto")
-    assert other.skip_timings and other.skip_timings is not engine.skip_timings  # kept per engine, not per process
+    assert other.routes.timings["skip"] and other.routes.timings["skip"] is not engine.routes.timings["skip"]  # kept per engine, not per process
 
 
 def test_route_rejects_an_unknown_mode(models):
@@ -281,7 +281,8 @@ def test_speculative_decoding_composes_with_a_skipper(models, monkeypatch):
 
     monkeypatch.setattr(lean.LeanBackend, "run", spy)
     decoder = SpeculativeDecoder(skip, mode="seed", decoder_layers=2, draft_len=3, adaptive=False)
-    outs, stats = decoder.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.0))
+    outs = decoder.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.0))
+    stats = decoder.stats
     assert [list(o.tokens) for o in outs] == plain and stats.mean_accepted > 1.0
     layers = skip.config.num_hidden_layers
     assert {route for n, route in routes if n == 2} == {lean.dense}  # every draft step

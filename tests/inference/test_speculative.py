@@ -83,7 +83,8 @@ def test_greedy_equals_plain_decoding(target, prompts, drafter, adaptive):
     reference = Engine(target).generate(prompts, params)
     spec = SpeculativeDecoder(target, adaptive=adaptive, draft_len=3, **DRAFTERS[drafter](target))
     for batch in (1, 3, 8):
-        outs, stats = spec.generate(prompts[:batch], params)
+        outs = spec.generate(prompts[:batch], params)
+        stats = spec.stats
         for out, ref in zip(outs, reference):
             assert out.tokens == ref.tokens
             assert out.finish_reason == ref.finish_reason
@@ -111,10 +112,12 @@ def test_adaptive_drafting_without_host_reads_is_the_same(target, prompts, draft
         self.stop_early = False
 
     monkeypatch.setattr(SpeculativeMode, "_draft_logits", count)
-    early, early_stats = spec.generate(prompts, params)
+    early = spec.generate(prompts, params)
+    early_stats = spec.stats
     early_steps = len(steps)
     monkeypatch.setattr(SpeculativeMode, "__init__", read_free)
-    late, late_stats = spec.generate(prompts, params)
+    late = spec.generate(prompts, params)
+    late_stats = spec.stats
     assert [c.tokens for c in late] == [c.tokens for c in early]
     for name in ("steps", "drafted", "accepted", "emitted", "rounds"):
         assert getattr(late_stats, name) == getattr(early_stats, name), name
@@ -137,7 +140,9 @@ def test_long_batch_with_compaction_equals_plain(target, prompts, monkeypatch):
     monkeypatch.setattr(speculative.MaskedCache, "ensure_room", spy)
     params = SamplingParams(max_new_tokens=60, temperature=0.0)
     reference = Engine(target).generate(prompts, params)
-    outs, stats = SpeculativeDecoder(target, mode="external", drafter=perturbed(target)).generate(prompts, params)
+    spec = SpeculativeDecoder(target, mode="external", drafter=perturbed(target))
+    outs = spec.generate(prompts, params)
+    stats = spec.stats
     assert [o.tokens for o in outs] == [r.tokens for r in reference]
     assert any(compactions) and 0 < stats.accepted < stats.drafted
 
@@ -153,14 +158,15 @@ def test_stop_token_inside_accepted_drafts_truncates(target, prompts):
     cut = plain.tokens.index(stop) + 1  # first occurrence
     stop_params = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=(stop,))
     spec = SpeculativeDecoder(target, mode="external", drafter=target, adaptive=False, draft_len=4)
-    [out], stats = spec.generate([prompts[0]], stop_params)
+    [out] = spec.generate([prompts[0]], stop_params)
+    stats = spec.stats
     assert out.tokens == plain.tokens[:cut] and out.finish_reason == "stop"
     assert stats.emitted == cut
     # A stop sequence that completes inside a run of accepted drafts.
     seq = tuple(plain.tokens[5:8])
     seq_params = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_sequences=(seq,))
     [plain_seq] = Engine(target).generate([prompts[0]], seq_params)
-    [out_seq], _ = spec.generate([prompts[0]], seq_params)
+    [out_seq] = spec.generate([prompts[0]], seq_params)
     assert out_seq.tokens == plain_seq.tokens and out_seq.finish_reason == "stop"
 
 
@@ -169,7 +175,8 @@ def test_max_new_tokens_is_exact(target, prompts, max_new):
     params = SamplingParams(max_new_tokens=max_new, temperature=0.0)
     reference = Engine(target).generate(prompts[:3], params)
     spec = SpeculativeDecoder(target, mode="external", drafter=target, adaptive=False, draft_len=4)
-    outs, stats = spec.generate(prompts[:3], params)
+    outs = spec.generate(prompts[:3], params)
+    stats = spec.stats
     assert [o.tokens for o in outs] == [r.tokens for r in reference]
     assert all(len(o.tokens) == len(o.logprobs) == max_new and o.finish_reason == "length" for o in outs)
     assert stats.emitted == 3 * max_new
@@ -182,11 +189,13 @@ def test_same_model_drafter_accepts_everything(target, prompts):
     draft_len, rounds = 4, 5
     params = SamplingParams(max_new_tokens=1 + rounds * (draft_len + 1), temperature=0.0)
     spec = SpeculativeDecoder(target, mode="external", drafter=target, adaptive=False, draft_len=draft_len)
-    outs, stats = spec.generate(prompts[:3], params)
+    outs = spec.generate(prompts[:3], params)
+    stats = spec.stats
     assert stats.steps == 3 * rounds and stats.accepted == stats.drafted == 3 * rounds * draft_len
     assert stats.mean_accepted == draft_len + 1
     # With a tail: the last verify of each row is budget-limited.
-    outs, stats = spec.generate(prompts[:1], SamplingParams(max_new_tokens=13, temperature=0.0))
+    outs = spec.generate(prompts[:1], SamplingParams(max_new_tokens=13, temperature=0.0))
+    stats = spec.stats
     assert stats.steps == 3 and stats.accepted == 4 + 4 + 1 and len(outs[0].tokens) == 13  # 1 + 5 + 5 + 2
 
 
@@ -276,7 +285,8 @@ def test_end_to_end_sampling_is_lossless(mode, params):
     kwargs = {"drafter": make(layers=2, seed=4, vocab=V)} if mode == "external" else {}
     spec = SpeculativeDecoder(model, mode=mode, adaptive=False, draft_len=2, **kwargs)
     prompt = [1, 4, 2, 5]
-    outs, stats = spec.generate([prompt] * N, params, torch.Generator().manual_seed(0))
+    outs = spec.generate([prompt] * N, params, torch.Generator().manual_seed(0))
+    stats = spec.stats
     assert 0 < stats.accepted < stats.drafted
     pairs = torch.tensor([o.tokens[0] * V + o.tokens[1] for o in outs])
     with torch.no_grad():

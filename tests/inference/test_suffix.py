@@ -135,9 +135,9 @@ def test_empty_prompt_is_refused():
         plan_reuse(A, [], ReuseConfig())
     engine = SessionEngine(_model(1))
     with pytest.raises(ValueError, match="prompt 1 is empty"):
-        engine.generate([A, []], GREEDY, ["a", "b"])
+        engine.generate([A, []], GREEDY, sessions=["a", "b"])
     with pytest.raises(ValueError, match="twice"):
-        engine.generate([A, B], GREEDY, ["a", "a"])
+        engine.generate([A, B], GREEDY, sessions=["a", "a"])
 
 
 # --- exact where nothing is approximated -------------------------------------------------------------------
@@ -147,7 +147,7 @@ def test_zero_edits_prefix_equals_suffix_exactly_and_full_prefill_within_roundin
     model = _model()
     first = [_tokens(10, 30), _tokens(11, 21)]
     engines = {mode: SessionEngine(model, ReuseConfig(mode=mode, **SMALL)) for mode in ("full", "prefix", "suffix")}
-    outs = {mode: e.generate(first, GREEDY, ["a", "b"]) for mode, e in engines.items()}
+    outs = {mode: e.generate(first, GREEDY, sessions=["a", "b"]) for mode, e in engines.items()}
     assert [o.tokens for o in outs["prefix"]] == [o.tokens for o in Engine(model).generate(first, GREEDY)]
     assert [o.tokens for o in outs["suffix"]] == [o.tokens for o in outs["full"]] == [o.tokens for o in outs["prefix"]]
     second = [p + o.tokens + _tokens(12 + i, 9) for i, (p, o) in enumerate(zip(first, outs["prefix"]))]
@@ -156,7 +156,7 @@ def test_zero_edits_prefix_equals_suffix_exactly_and_full_prefill_within_roundin
     assert (logits["prefix"] - logits["full"]).abs().max() < TOL
     assert [s.prefix_tokens for s in engines["prefix"].stats] == [35, 26]  # the previous prompt + output - 1
     third = [p + [1, 2] + _tokens(20 + i, 5) for i, p in enumerate(second)]
-    greedy = {mode: [o.tokens for o in e.generate(third, GREEDY, ["a", "b"])] for mode, e in engines.items()}
+    greedy = {mode: [o.tokens for o in e.generate(third, GREEDY, sessions=["a", "b"])] for mode, e in engines.items()}
     assert greedy["prefix"] == greedy["suffix"] == [o.tokens for o in Engine(model).generate(third, GREEDY)]
 
 
@@ -260,7 +260,7 @@ def test_rows_finishing_early_leave_their_state_for_the_next_call():
     plain = Engine(model).generate(prompts, GREEDY)
     stop = SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=(plain[0].tokens[1],))
     engine = SessionEngine(model, ReuseConfig(mode="prefix"))
-    outs = engine.generate(prompts, stop, ["a", "b", "c"])
+    outs = engine.generate(prompts, stop, sessions=["a", "b", "c"])
     assert [o.tokens for o in outs] == [o.tokens for o in Engine(model).generate(prompts, stop)]
     assert len({len(o.tokens) for o in outs}) > 1  # rows left the live batch at different rounds
     fresh = SessionEngine(model, ReuseConfig(mode="prefix"))
@@ -270,7 +270,7 @@ def test_rows_finishing_early_leave_their_state_for_the_next_call():
         assert engine.sessions[session].tokens == tuple(seq)
         assert (engine.sessions[session].kv - fresh.sessions[ref].kv).abs().max() < TOL
     follow = [p + o.tokens + _tokens(43 + i, 4) for i, (p, o) in enumerate(zip(prompts, outs))]
-    again = engine.generate(follow, GREEDY, ["a", "b", "c"])
+    again = engine.generate(follow, GREEDY, sessions=["a", "b", "c"])
     assert [s.prefix_tokens for s in engine.stats] == [len(s) for s in seqs]
     assert [o.tokens for o in again] == [o.tokens for o in Engine(model).generate(follow, GREEDY)]
 
@@ -284,7 +284,7 @@ def test_replay_then_generate_equals_full_prefill_in_prefix_mode():
     assert logits.dtype == torch.float32 and (logits - full).abs().max() < TOL
     assert [s.decode_tokens for s in engine.stats] == [4, 1]
     follow = [p + o + _tokens(52 + i, 3) for i, (p, o) in enumerate(zip(prompts, outputs))]
-    outs = engine.generate(follow, GREEDY, ["a", "b"])
+    outs = engine.generate(follow, GREEDY, sessions=["a", "b"])
     assert [s.prefix_tokens for s in engine.stats] == [17, 6]
     assert [o.tokens for o in outs] == [o.tokens for o in Engine(model).generate(follow, GREEDY)]
 
@@ -308,14 +308,14 @@ def test_full_mode_and_the_plain_fallback_hold_no_state_and_match_the_engine():
     ref = [o.tokens for o in Engine(model).generate(prompts, GREEDY)]
     for reuse, config in ((ReuseConfig(mode="full"), None), (ReuseConfig(mode="suffix"), EngineConfig(use_lean=False))):
         engine = SessionEngine(model, reuse, config)
-        assert [o.tokens for o in engine.generate(prompts, GREEDY, ["a", "b"])] == ref
+        assert [o.tokens for o in engine.generate(prompts, GREEDY, sessions=["a", "b"])] == ref
         assert len(engine) == 0 and [s.prefill_tokens for s in engine.stats] == [8, 3]
         assert [s.decode_tokens for s in engine.stats] == [len(t) for t in ref]
 
 
 def test_sessions_are_counted_ended_and_cleared():
     engine = SessionEngine(_model(1))
-    engine.generate([_tokens(80, 5), _tokens(81, 7)], SamplingParams(temperature=0.0, max_new_tokens=2), ["a", "b"])
+    engine.generate([_tokens(80, 5), _tokens(81, 7)], SamplingParams(temperature=0.0, max_new_tokens=2), sessions=["a", "b"])
     assert len(engine) == 2
     engine.end("a")
     engine.end("never")

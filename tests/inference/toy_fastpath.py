@@ -34,5 +34,5 @@ class EveryOtherLayer(Route):
 
 
 register_linear(CountingLinear, LinearKind(operand=lambda module: module.weight.detach(), op=counting_linear))
-register_route(RouteKind(route=lambda model: EveryOtherLayer() if getattr(model.config, "toy_every_other", False)
-                         else None))
+register_route(RouteKind(name="toy", route=lambda model, context: EveryOtherLayer()
+                         if getattr(model.config, "toy_every_other", False) else None))
