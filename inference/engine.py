@@ -180,10 +180,17 @@ class Strategy(Protocol):
         """Keep only `rows` (indices into the live rows) in the cache(s), in order."""
 
 
+# Called after every round with the call's Rollout (`progress`, `emitted` read what each row has so far);
+# returns the rows (caller's order) to end now, their place in the batch freed (`Rollout.cancel`).
+OnRound = Callable[[Rollout], "set[int] | None"]
+
+
 def token_loop(strategy: Strategy, batch: PaddedPrompts, params: SamplingParams, new_tokens: int,
-               generator: torch.Generator | None, max_rounds: int | None = None) -> Rollout:
+               generator: torch.Generator | None, max_rounds: int | None = None,
+               on_round: OnRound | None = None) -> Rollout:
     """Prefill, sample every row's first token, then rounds until every row is done (or
-    `max_rounds` rounds ran: tests stop a run midway to look at its caches)."""
+    `max_rounds` rounds ran: tests stop a run midway to look at its caches). `on_round` sees every
+    round (a server streams from it) and may end rows."""
     run = Rollout(batch.ids.shape[0], new_tokens, params, batch.ids.device)
     logits = strategy.prefill(batch)  # (B, V)
     first, logprob = sample_next(logits, params, generator)  # (B,), (B,)
@@ -192,6 +199,11 @@ def token_loop(strategy: Strategy, batch: PaddedPrompts, params: SamplingParams,
     rounds = 0
     while True:
         live = run.record(emitted)  # (n',) rows still running, or None if all are
+        ended = on_round(run) if on_round is not None else None
+        if ended and not run.done:
+            kept = run.cancel(ended)
+            if kept is not None:
+                live = kept if live is None else live[kept]
         if run.done or rounds == max_rounds:
             return run
         if live is not None:
@@ -204,10 +216,10 @@ def token_loop(strategy: Strategy, batch: PaddedPrompts, params: SamplingParams,
 
 def run_generation(models: Sequence[nn.Module], prompts: list[list[int]], params: SamplingParams,
                    max_seq_len: int, make_strategy: Callable[[PaddedPrompts, int], Strategy],
-                   generator: torch.Generator | None) -> list[Completion]:
+                   generator: torch.Generator | None, on_round: OnRound | None = None) -> list[Completion]:
     """The preamble and the loop, for any mode. models[0] is the target (its vocab checks the
     prompts, its device holds the batch); every model runs in eval mode, restored afterwards.
-    make_strategy(padded batch, new-token budget) builds the mode for this call."""
+    make_strategy(padded batch, new-token budget) builds the mode for this call; `on_round`: token_loop's."""
     if not prompts:
         return []
     target = models[0]
@@ -220,7 +232,7 @@ def run_generation(models: Sequence[nn.Module], prompts: list[list[int]], params
         stack.enter_context(torch.inference_mode())
         batch = left_pad(prompts, next(target.parameters()).device)
         strategy = make_strategy(batch, new_tokens)
-        return token_loop(strategy, batch, params, new_tokens, generator).completions()
+        return token_loop(strategy, batch, params, new_tokens, generator, on_round=on_round).completions()
 
 
 class OneToken:
@@ -305,11 +317,12 @@ class Engine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None) -> list[Completion]:
-        """Complete every prompt (token ids). Returns one Completion per prompt, in order."""
+                 generator: torch.Generator | None = None, *, on_round: OnRound | None = None) -> list[Completion]:
+        """Complete every prompt (token ids). Returns one Completion per prompt, in order. `on_round`
+        (token_loop's) sees each round's tokens and may end rows early."""
 
         def plain(batch: PaddedPrompts, new_tokens: int) -> OneToken:
             backend = self._backend(batch.ids.shape[0], batch.ids.shape[1] + new_tokens)
             return OneToken(backend, params, generator)
 
-        return run_generation([self.model], prompts, params, self.max_seq_len, plain, generator)
+        return run_generation([self.model], prompts, params, self.max_seq_len, plain, generator, on_round)

@@ -16,7 +16,7 @@ from inference.sampling import SamplingParams
 
 __all__ = ["Completion", "Emitted", "Rollout", "StopRule"]
 
-STOP, LENGTH = "stop", "length"
+STOP, LENGTH, ABORT = "stop", "length", "abort"  # abort: the caller ended the row (`Rollout.cancel`)
 # Fills the output buffer left of each row's first token: no token id, so no stop sequence matches it.
 NO_TOKEN = -1
 
@@ -27,7 +27,7 @@ class Completion:
 
     tokens: list[int]  # up to and including the stop token / stop sequence
     logprobs: list[float]  # per token: log_softmax(logits / T)[token] over the full vocab, fp32
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "abort"
 
 
 @dataclass
@@ -163,6 +163,31 @@ class Rollout:
         for row, length in zip(self.rows[stopped].tolist(), self.filled[stopped].tolist()):
             self.length[row], self.reason[row] = length, STOP
         return self._keep(~finished)
+
+    def progress(self) -> list[int]:
+        """Tokens each row (in the caller's order) has emitted so far: a finished row's final length."""
+        out = list(self.length)
+        live = self.rows.tolist()
+        counts = [self.fill] * len(live) if self.fill is not None else self.filled.tolist()
+        for row, count in zip(live, counts):
+            out[row] = min(count, self.length[row])
+        return out
+
+    def emitted(self, row: int, start: int, end: int) -> list[int]:
+        """Row `row`'s emitted tokens [start, end) (caller's order; end <= progress()[row])."""
+        return self.tokens[row, self.margin + start: self.margin + end].tolist()
+
+    def cancel(self, rows: set[int]) -> torch.Tensor | None:
+        """End the live rows among `rows` (caller's order) now, with what they emitted (finish reason
+        `abort`); return the live-row indices to keep (None = all)."""
+        live = self.rows.tolist()
+        if not any(row in rows for row in live):
+            return None
+        progress = self.progress()
+        for row in live:
+            if row in rows:
+                self.length[row], self.reason[row] = progress[row], ABORT
+        return self._keep(torch.tensor([row not in rows for row in live], device=self.rows.device))
 
     def _keep(self, alive: torch.Tensor) -> torch.Tensor:
         live = alive.nonzero().squeeze(1)  # (n',)

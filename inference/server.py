@@ -18,8 +18,11 @@ decodes with the export's fast paths. Endpoints:
 Completion text is the decoded tokens without special tokens, cut before the first `stop` string
 (finish_reason `stop`; `length` when `max_tokens` ran out). Log-probabilities are the model's own
 (`log_softmax` of its logits, temperature 1) from one forward of the prompt and completion, the
-trainer's log-prob contract. `stream=true` sends OpenAI's server-sent-event chunks, one per token, and
-`data: [DONE]`; in this version a request's tokens are decoded before its first chunk is sent.
+trainer's log-prob contract. `stream=true` sends OpenAI's server-sent-event chunks as the tokens decode
+(the text held back only where a stop string or a half-decoded character may still be forming), then
+`data: [DONE]`; a client that disconnects mid-stream ends its rows at the next decode step, freeing their
+place in the batch (finish reason `abort`, counted under `/metrics` `aborted`). A stream that asks for
+`logprobs` is sent after its tokens are scored, one chunk per token.
 
 One thread calls the engine. Requests queue (at most `--max-waiting`; more: 503), and each engine call
 decodes the oldest one together with every waiting request that can share the call (greedy ones with the
@@ -50,7 +53,7 @@ import uuid
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import torch
 import uvicorn
@@ -237,6 +240,7 @@ class Backend:
         self.ready = threading.Condition()
         self.served = 0  # requests answered
         self.batches = 0  # engine calls
+        self.aborted = 0  # streamed requests ended mid-decode because their client went away
         threading.Thread(target=self._loop, name="engine", daemon=True).start()
         self.rng = torch.Generator().manual_seed(int(time.time_ns() % (2**31)))
         config = getattr(server.model, "config", None)
@@ -277,14 +281,18 @@ class Backend:
         """Queue a request (each prompt completed n times); its future gives one dict per choice with the
         completion's token ids, text, finish reason and, when asked, log-probabilities. APIError 503 past
         `max_waiting` queued requests."""
-        job = Job(prompts, s, Future())
+        return self.enqueue(Job(prompts, s, Future())).future
+
+    def enqueue(self, job: "Job") -> "Job":
+        """Queue `job` (a streamed one: its `push` gets each choice's tokens as they decode); APIError 503 past
+        `max_waiting` queued requests."""
         with self.ready:
             if len(self.jobs) >= self.max_waiting:
                 raise APIError(503, f"server busy: {len(self.jobs)} requests waiting (--max-waiting "
                                f"{self.max_waiting}); retry later", kind="server_error", code="overloaded")
             self.jobs.append(job)
             self.ready.notify()
-        return job.future
+        return job
 
     @property
     def waiting(self) -> int:
@@ -313,6 +321,7 @@ class Backend:
                     job.future.set_exception(err)
                 continue
             for job, result in zip(batch, results):
+                self.aborted += any(c["finish_reason"] == "abort" for c in result)  # ended mid-decode
                 job.future.set_result(result)
 
     def _run(self, batch: list["Job"]) -> list[list[dict]]:
@@ -326,7 +335,11 @@ class Backend:
                                      if ids))
             seed = s.seed if s.seed is not None else int(torch.randint(0, 2**31 - 1, (1,), generator=self.rng))
             generator = torch.Generator(device=self.server.options.device).manual_seed(seed)
-            completions = self.server.generate(rows, params, generator)
+            owners = [(job, i) for job in batch for i in range(len(job.prompts) * job.sampling.n)]
+            if any(job.push is not None for job in batch):
+                completions = self.server.generate(rows, params, generator, on_round=self._watch(owners))
+            else:
+                completions = self.server.generate(rows, params, generator)
         else:
             completions = [None] * len(rows)
         self.batches += 1
@@ -337,6 +350,25 @@ class Backend:
             at += k
             self.served += 1
         return out
+
+    @staticmethod
+    def _watch(owners: list[tuple["Job", int]]) -> Callable:
+        """The engine's per-round hook for a batch with streamed requests: each streamed row's new tokens go
+        to its job's `push`; the rows of a job whose client went away end now."""
+        sent = [0] * len(owners)
+
+        def on_round(run) -> set[int]:
+            ended = set()
+            for row, count in enumerate(run.progress()):
+                job, index = owners[row]
+                if job.cancelled:
+                    ended.add(row)
+                elif job.push is not None and count > sent[row]:
+                    job.push(index, run.emitted(row, sent[row], count))
+                    sent[row] = count
+            return ended
+
+        return on_round
 
     def _choices(self, rows: list[list[int]], completions: list, s: Sampling) -> list[dict]:
         tok = self.tokenizer
@@ -362,6 +394,42 @@ class Job:
     prompts: list[list[int]]
     sampling: Sampling
     future: Future
+    push: Callable[[int, list[int]], None] | None = None  # streamed: (choice index, new tokens), engine thread
+    cancelled: bool = False  # its client went away: its rows end at the next decode step
+
+
+class TextStream:
+    """One streamed choice's text as its tokens arrive: what can be sent now, never past the first stop
+    string nor into text that may still become one (the last len(longest stop) - 1 characters) or a
+    character whose bytes have not all arrived; `rest(final)` is what is left of the final text."""
+
+    def __init__(self, tok: Any, stops: list[str]):
+        self.tok, self.stops = tok, stops
+        self.hold = max((len(x) for x in stops), default=1) - 1
+        self.tokens: list[int] = []
+        self.sent, self.stopped = "", False
+
+    def add(self, tokens: list[int]) -> str:
+        if self.stopped:
+            return ""
+        self.tokens += tokens
+        text = self.tok.decode(self.tokens, skip_special_tokens=True)
+        cut = min((text.find(x) for x in self.stops if x in text), default=-1)
+        if cut >= 0:
+            text, self.stopped = text[:cut], True
+        else:
+            text = text.rstrip("\ufffd")
+            text = text[: len(text) - self.hold] if self.hold else text
+        return self._send(text)
+
+    def rest(self, final: str) -> str:
+        return self._send(final)
+
+    def _send(self, text: str) -> str:
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        piece, self.sent = text[len(self.sent):], text
+        return piece
 
 
 def batch_key(s: Sampling) -> tuple | None:
@@ -431,6 +499,12 @@ def sse(chunks: Iterator[dict]) -> Iterator[str]:
     yield "data: [DONE]\n\n"
 
 
+async def sse_async(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    async for chunk in chunks:
+        yield f"data: {json.dumps(chunk)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
 # ----------------------------------------------------------------------------- the app
 
 
@@ -465,6 +539,38 @@ def build_app(backend: Backend):
     async def generate(prompts: list[list[int]], s: Sampling) -> list[dict]:
         return await asyncio.wrap_future(backend.submit(prompts, s))
 
+    async def streamed(prompts: list[list[int]], s: Sampling) -> AsyncIterator[tuple[int, str, str | None]]:
+        """(choice index, text, None) as tokens decode, then (index, the rest, finish reason) per choice.
+        Leaving early (the client went away) ends the request's rows at the engine's next step."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        job = backend.enqueue(Job(prompts, s, Future(),
+                                  push=lambda i, t: loop.call_soon_threadsafe(queue.put_nowait, (i, t))))
+        done = asyncio.wrap_future(job.future)
+        texts: dict[int, TextStream] = {}
+        try:
+            while True:
+                get = asyncio.ensure_future(queue.get())
+                await asyncio.wait({get, done}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    break
+                index, tokens = get.result()
+                piece = texts.setdefault(index, TextStream(tok, s.stop)).add(tokens)
+                if piece:
+                    yield index, piece, None
+            while not queue.empty():
+                index, tokens = queue.get_nowait()
+                piece = texts.setdefault(index, TextStream(tok, s.stop)).add(tokens)
+                if piece:
+                    yield index, piece, None
+            for c in done.result():
+                yield c["index"], texts.setdefault(c["index"], TextStream(tok, s.stop)).rest(c["text"]), \
+                    c["finish_reason"]
+        finally:
+            if not job.future.done():
+                job.cancelled = True
+
     @app.get("/health")
     async def health():
         return {"status": "ok"}
@@ -480,7 +586,7 @@ def build_app(backend: Backend):
         return {"requests": backend.served, "waiting": backend.waiting, "batches": backend.batches, "calls": st.calls,
                 "completions": st.completions, "tokens": st.tokens, "seconds": st.seconds,
                 "tokens_per_s": st.tokens_per_s(), "mean_accepted": st.mean_accepted,
-                "skip_ratio": st.skip_ratio()}
+                "skip_ratio": st.skip_ratio(), "aborted": backend.aborted}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -488,8 +594,17 @@ def build_app(backend: Backend):
         s = parse_sampling(body, backend.max_n, chat=False)
         prompts = [backend.encode(p) for p in parse_prompts(body)]
         backend.check(prompts, s, "prompt")
-        choices = await generate(prompts, s)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": backend.name}
+        if s.stream and s.logprobs is None:
+            async def live():
+                async for index, piece, reason in streamed(prompts, s):
+                    if piece or reason:
+                        yield {**head, "choices": [{"index": index, "text": piece, "logprobs": None,
+                                                    "finish_reason": reason}]}
+
+            return StreamingResponse(sse_async(live()), media_type="text/event-stream")
+        choices = await generate(prompts, s)
 
         def out(c: dict) -> dict:
             text = (tok.decode(c["prompt"], skip_special_tokens=True) if s.echo else "") + c["text"]
@@ -521,8 +636,25 @@ def build_app(backend: Backend):
         if body.get("max_tokens") is None and body.get("max_completion_tokens") is None and backend.positions:
             s.max_tokens = max(1, min(s.max_tokens, backend.positions - len(prompt)))  # default: what fits, <= 256
         backend.check([prompt], s, "messages")
-        choices = await generate([prompt], s)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if s.stream and s.logprobs is None:
+            async def live():
+                head, started = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                                 "model": backend.name}, set()
+                async for index, piece, reason in streamed([prompt], s):
+                    if index not in started:
+                        started.add(index)
+                        yield {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}]}
+                    if piece:
+                        yield {**head, "choices": [{"index": index, "delta": {"content": piece}, "logprobs": None,
+                                                    "finish_reason": None}]}
+                    if reason:
+                        yield {**head, "choices": [{"index": index, "delta": {}, "logprobs": None,
+                                                    "finish_reason": reason}]}
+
+            return StreamingResponse(sse_async(live()), media_type="text/event-stream")
+        choices = await generate([prompt], s)
         if not s.stream:
             return {"id": rid, "object": "chat.completion", "created": created, "model": backend.name,
                     "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},

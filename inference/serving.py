@@ -36,7 +36,7 @@ from torch import nn
 from inference.artifacts import (
     ATTUNER_FILE, SEED_DRAFTER_FILE, SERVING_FILE, ManifestError, ServingManifest, read_manifest, write_manifest,
 )
-from inference.engine import Completion, Engine, EngineConfig
+from inference.engine import Completion, Engine, EngineConfig, OnRound
 from inference.sampling import SamplingParams
 from inference.skip_routing import SKIP, SkipStats
 from inference.speculative import MODES as SPECULATIVE_MODES, SpecStats
@@ -294,14 +294,14 @@ class Server:
         return SessionEngine(self.model, reuse, self.options.engine)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None) -> list[Completion]:
+                 generator: torch.Generator | None = None, *, on_round: OnRound | None = None) -> list[Completion]:
         if self.options.artifacts:
             raise ServingError(f"{self.path}: opened for artifacts: generate through artifact_engine(prefix)")
         start = time.perf_counter()
         if self.decoder is None:
-            completions = self.engine.generate(prompts, params, generator)
+            completions = self.engine.generate(prompts, params, generator, on_round=on_round)
         else:
-            completions = self.decoder.generate(prompts, params, generator)
+            completions = self.decoder.generate(prompts, params, generator, on_round=on_round)
             self.stats.speculative.add(self.decoder.stats)
         self.stats.seconds += time.perf_counter() - start
         self.stats.calls += 1

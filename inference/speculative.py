@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from inference.artifacts import DRAFTER_DEFAULTS, read_drafter_spec
-from inference.engine import PaddedPrompts, run_generation
+from inference.engine import OnRound, PaddedPrompts, run_generation
 from inference.lean import (
     EAGER, Blocks, LeanBackend, compiled_blocks, dense, lean_unsupported_reason, read_dims, rope_tables,
 )
@@ -326,7 +326,7 @@ class SpeculativeDecoder:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None) -> list[Completion]:
+                 generator: torch.Generator | None = None, *, on_round: OnRound | None = None) -> list[Completion]:
         """Complete every prompt (token ids): one Completion per prompt, in order, as `Engine.generate`.
         This call's counts are in `self.stats` afterwards."""
         stats = self.stats = SpecStats()
@@ -337,7 +337,7 @@ class SpeculativeDecoder:
         def mode(batch: PaddedPrompts, new_tokens: int) -> SpeculativeMode:
             return SpeculativeMode(self, batch, params, new_tokens, generator, stats)
 
-        completions = run_generation(models, prompts, params, self.max_seq_len, mode, generator)
+        completions = run_generation(models, prompts, params, self.max_seq_len, mode, generator, on_round)
         stats.emitted = sum(len(c.tokens) for c in completions)
         return completions
 

@@ -338,3 +338,27 @@ print("ok")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_on_round_sees_every_token_and_ends_rows_early(make_model, prompts, speculative):
+    """What `on_round` reads round by round joins to each row's completion; a row it ends stops there with
+    finish reason `abort` and its place is freed, while the other rows' greedy tokens are unchanged."""
+    model = make_model("qwen3", num_hidden_layers=4)
+    params = SamplingParams(max_new_tokens=14, temperature=0.0)
+    runner = SpeculativeDecoder(model, mode="seed", decoder_layers=2) if speculative else Engine(model)
+    want = runner.generate(prompts, params)
+    seen = {i: [] for i in range(len(prompts))}
+
+    def watch(run):
+        for i, n in enumerate(run.progress()):
+            seen[i] += run.emitted(i, len(seen[i]), n)
+        return {1} if len(seen[1]) >= 3 else None
+
+    got = runner.generate(prompts, params, on_round=watch)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.tokens == seen[i][: len(g.tokens)]
+        if i == 1:
+            assert g.finish_reason == "abort" and 3 <= len(g.tokens) < len(w.tokens) and g.tokens == w.tokens[: len(g.tokens)]
+        else:
+            assert g.tokens == w.tokens and g.finish_reason == w.finish_reason and seen[i] == w.tokens

@@ -283,3 +283,70 @@ def test_requests_waiting_while_a_batch_decodes_share_the_next_engine_call():
     assert held.calls == [(1, 0.0), (8, 0.0), (2, 0.0), (2, 1.0)]  # oldest first; the rest in order, max_batch 8
     assert [a[0]["tokens"] for a in answers[1:11]] == [[6, 7 + i] for i in range(10)]  # each its own rows back
     assert len(answers[11]) == 2 and backend.batches == 4 and backend.served == 12
+
+
+def test_a_streamed_request_whose_client_leaves_frees_its_rows_for_the_rest_of_the_batch(make_model):
+    """Backend level, on the real engine: a streamed request gets its tokens as they decode; once its client
+    is gone its rows end at the next step (finish reason abort) while the greedy request sharing its engine
+    call decodes on to the answer it gets alone."""
+    from concurrent.futures import Future
+
+    from inference.server import Backend, Job, Sampling
+    from inference.serving import serve_model
+    from models.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    model = make_model("qwen3", vocab_size=len(tok))
+    backend = Backend(serve_model(model, tokenizer=tok), "tiny")
+    greedy = Sampling(max_tokens=40, temperature=0.0, top_p=1.0, n=1, stop=[], seed=None, stream=False, logprobs=None)
+    prompt = tok("q: 12+7?", add_special_tokens=False).input_ids
+    alone = backend.submit([prompt], greedy).result(60)[0]
+    assert alone["finish_reason"] == "length" and len(alone["tokens"]) == 40  # the precondition: no early stop
+    got: list[list[int]] = []
+    job = Job([prompt], Sampling(**{**greedy.__dict__, "stream": True}), Future())
+
+    def push(index: int, tokens: list[int]) -> None:
+        got.append(tokens)
+        job.cancelled = len(got) >= 3  # the client reads three chunks, then goes away
+
+    job.push = push
+    beside = Job([prompt], greedy, Future())
+    with backend.ready:  # both queued before the engine thread looks: one engine call
+        backend.jobs.extend([job, beside])
+        backend.ready.notify()
+    streamed, other = job.future.result(60)[0], beside.future.result(60)[0]
+    assert backend.batches == 2  # the lone request, then the two together
+    # the client saw three tokens; the step decoding when it left ran on, and its row ended right after
+    assert sum(got, []) == alone["tokens"][:3] and backend.aborted == 1
+    assert streamed["finish_reason"] == "abort" and streamed["tokens"] == alone["tokens"][:4]
+    assert other["tokens"] == alone["tokens"] and other["finish_reason"] == "length"
+
+
+def test_a_client_that_disconnects_mid_stream_ends_its_request(live):
+    """Over HTTP: a streamed request of 16 long rows whose client reads its first chunk and closes the
+    connection is ended mid-decode (/metrics `aborted`), and the server answers the next request."""
+    import http.client
+    from urllib.parse import urlparse
+
+    url, client = live
+    before = post_get(url, "/metrics")["aborted"]
+    where = urlparse(url)
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "go", "max_tokens": 200, "n": 16,
+                                                        "temperature": 1.0, "seed": 0, "stream": True}),
+                 {"content-type": "application/json"})
+    reply = conn.getresponse()
+    assert reply.status == 200 and reply.readline().startswith(b"data: {")
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.time() + 60
+    while post_get(url, "/metrics")["aborted"] == before and time.time() < deadline:
+        time.sleep(0.2)
+    assert post_get(url, "/metrics")["aborted"] == before + 1
+    out = client.completions.create(model="tiny", prompt="ab", max_tokens=8, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def post_get(url: str, path: str) -> dict:
+    with urllib.request.urlopen(url + path, timeout=30) as r:
+        return json.load(r)
