@@ -107,7 +107,9 @@ def write_json_atomic(path: Path, data: Any) -> None:
 # drafter spec; a base with a layer skipper; a compressed-tensors low-bit model; a query-side
 # adapter for the position-independent artifact cache.
 EXPORT_KINDS = ("model", "lora", "seed", "skipper", "quantized", "attuner")
-WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "compressed")
+# Full-precision weights load as saved; any other `weights` names a stored format whose loader registers with
+# the serving door (`inference.serving.register_weights`; the door refuses a name none registered).
+FLOAT_WEIGHTS = ("float32", "bfloat16", "float16")
 
 
 class ManifestError(ValueError):
@@ -119,8 +121,8 @@ class ServingManifest:
     """The content of `serving.json`: what an export holds and which fast paths serve it.
 
     kind: one of EXPORT_KINDS. base: the base model dir an adapter applies to (lora, attuner); None
-    when this dir holds the weights. weights: the stored weight format (WEIGHT_FORMATS); `scheme`
-    names the low-bit scheme of compressed weights (e.g. "W4A8"). skipper: the sub-dir holding a
+    when this dir holds the weights. weights: the stored weight format (a FLOAT_WEIGHTS dtype, or a
+    registered stored format such as "compressed"); `scheme` names its low-bit scheme (e.g. "W4A8"). skipper: the sub-dir holding a
     layer skipper. drafter: the SEED drafter spec file. adapter: "lora" or "attuner" when the dir is
     itself a PEFT adapter. artifact_cache: how a position-independent artifact cache serves it (an
     Attuner export: the cache is the base's, the adapter runs on the query). stop_ids: the
@@ -142,8 +144,8 @@ class ServingManifest:
     def __post_init__(self) -> None:
         if self.kind not in EXPORT_KINDS:
             raise ManifestError(f"{SERVING_FILE}: kind {self.kind!r} is not one of {', '.join(EXPORT_KINDS)}")
-        if self.weights not in WEIGHT_FORMATS:
-            raise ManifestError(f"{SERVING_FILE}: weights {self.weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+        if not self.weights:
+            raise ManifestError(f"{SERVING_FILE}: field weights is empty")
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -19,7 +19,9 @@ from torch import nn
 
 from inference.lowbit import LowBitLinear, lowbit_modules
 from models.anatomy import causal_lm
-from models.quant_export import compress_layer, ct_scheme, is_compressed, plain_state, read_compressed, unquantized_linears
+from models.quant_export import (
+    compress_layer, ct_scheme, is_compressed, plain_state, read_compressed, stored_scheme, unquantized_linears,
+)
 
 __all__ = ["is_compressed", "load_quantized", "save_quantized"]
 
@@ -77,3 +79,30 @@ def save_quantized(model: nn.Module, tokenizer: Any, out_dir: str, state: dict |
     lm.save_pretrained(out_dir, state_dict=state)
     ModelCompressor(quantization_config=qconfig).update_config(out_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+# ----------------------------------------------------------------------------- the serving door's weight format
+
+
+def _detect(path: str) -> str | None:
+    return stored_scheme(path).name if is_compressed(path) else None
+
+
+def _refuse(manifest: Any, options: Any) -> str | None:
+    if options.adapter:
+        return (f"weights compressed ({manifest.scheme}): a LoRA adapter ({options.adapter}) cannot be merged into "
+                "low-bit weights")
+    if options.speculative and not str(manifest.scheme).endswith("A16"):
+        return (f"scheme {manifest.scheme} quantizes activations per token: speculative verification rounds them "
+                f"differently from one-token decoding, so speculative={options.speculative} would not be exact "
+                "(weight-only W4A16 / W8A16 serve speculatively)")
+    return None
+
+
+def _register() -> None:
+    from inference.serving import WeightFormat, register_weights
+
+    register_weights(WeightFormat(name="compressed", detect=_detect, load=load_quantized, refuse=_refuse))
+
+
+_register()

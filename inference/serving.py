@@ -23,26 +23,28 @@ naming the file and the field. Statistics live in the Server, never in module st
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from inference.artifacts import (
-    ATTUNER_FILE, SEED_DRAFTER_FILE, SERVING_FILE, ManifestError, ServingManifest, read_manifest, write_manifest,
+    ATTUNER_FILE, FLOAT_WEIGHTS, SEED_DRAFTER_FILE, SERVING_FILE, ManifestError, ServingManifest, read_manifest,
+    write_manifest,
 )
 from inference.engine import Completion, Engine, EngineConfig, OnRound
 from inference.sampling import SamplingParams
 from inference.skip_routing import SKIP, SkipStats
 from inference.speculative import MODES as SPECULATIVE_MODES, SpecStats
 
-__all__ = ["ServeOptions", "ServeStats", "Server", "ServingError", "describe", "load_served", "load_weights",
-           "manifest_of", "serve", "serve_model", "write_serving_manifest"]
+__all__ = ["ServeOptions", "ServeStats", "Server", "ServingError", "WeightFormat", "describe", "load_served",
+           "load_weights", "manifest_of", "register_weights", "serve", "serve_model", "write_serving_manifest"]
 
 ADAPTER_CONFIG = "adapter_config.json"  # what marks a PEFT adapter dir
 MODEL_CONFIG = "config.json"
@@ -53,6 +55,57 @@ ATTUNER_CACHE = MappingProxyType({"mode": "pic", "adapter_on": "query"})
 
 class ServingError(ValueError):
     """A request that cannot be served: one line naming the file and the field."""
+
+
+# ----------------------------------------------------------------------------- stored weight formats
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """A stored weight format the door loads on its own path (a manifest's `weights` other than a float dtype).
+
+    detect(path): the scheme name when the export at `path` is stored this way (None: it is not; ValueError,
+    one line naming the file: it is, in a variant this runtime cannot run). load(path, device): (model in eval
+    mode on device, tokenizer). refuse(manifest, options): why a request cannot be served on these weights
+    (an adapter to merge, speculative decoding, an external drafter or the artifact cache), None when it can.
+    """
+
+    name: str
+    detect: Callable[[str], Optional[str]]
+    load: Callable[[str, str], tuple]
+    refuse: Callable[["ServingManifest", "ServeOptions"], Optional[str]] = lambda manifest, options: None
+
+
+# The weight-format registry, filled when the modules in WEIGHT_FORMAT_MODULES are imported (the first time
+# the door reads it); never changed afterwards. A new format is one module that calls `register_weights`,
+# plus its name here: `inference/quantized.py` registers compressed-tensors low-bit weights.
+WEIGHT_FORMAT_MODULES = ("inference.quantized",)
+WEIGHT_KINDS: dict[str, WeightFormat] = {}
+_formats_loaded = False
+
+
+def register_weights(kind: WeightFormat) -> None:
+    WEIGHT_KINDS[kind.name] = kind
+
+
+def weight_formats() -> dict[str, WeightFormat]:
+    global _formats_loaded
+    if not _formats_loaded:
+        for name in WEIGHT_FORMAT_MODULES:
+            importlib.import_module(name)
+        _formats_loaded = True
+    return WEIGHT_KINDS
+
+
+def _weight_format(path: str, manifest: ServingManifest) -> WeightFormat | None:
+    """The registered format of `manifest.weights`, None for a float dtype; ServingError for another name."""
+    if manifest.weights in FLOAT_WEIGHTS:
+        return None
+    kinds = weight_formats()
+    if manifest.weights not in kinds:
+        raise ServingError(f"{os.path.join(path, SERVING_FILE)}: weights {manifest.weights!r} is not one of "
+                           f"{', '.join([*FLOAT_WEIGHTS, *kinds])}")
+    return kinds[manifest.weights]
 
 
 # ----------------------------------------------------------------------------- the manifest
@@ -80,14 +133,13 @@ def describe(path: str | os.PathLike) -> ServingManifest:
         extra = {"artifact_cache": dict(ATTUNER_CACHE)} if attuner else {}
         weights = _saved_dtype(base) if isinstance(base, str) and os.path.isdir(base) else "float32"
         return ServingManifest(kind=kind, weights=weights, base=base, adapter=kind, **extra, **facts)
-    from models.quant_export import is_compressed, stored_scheme
-
-    if is_compressed(path):
+    for kind in weight_formats().values():
         try:
-            scheme = stored_scheme(path)
+            scheme = kind.detect(path)
         except ValueError as err:
             raise ServingError(f"{err}: this runtime cannot run its weights") from None
-        return ServingManifest(kind="quantized", weights="compressed", scheme=scheme.name, **facts)
+        if scheme is not None:
+            return ServingManifest(kind="quantized", weights=kind.name, scheme=scheme, **facts)
     kind = "skipper" if "skipper" in facts else "seed" if "drafter" in facts else "model"
     return ServingManifest(kind=kind, weights=_saved_dtype(path), **facts)
 
@@ -105,7 +157,10 @@ def manifest_of(path: str | os.PathLike) -> ServingManifest:
         found = read_manifest(path)
     except ManifestError as err:
         raise ServingError(str(err)) from None
-    return found if found is not None else describe(path)
+    if found is None:
+        return describe(path)
+    _weight_format(str(path), found)  # a weights name no registered format loads: refused here, by name
+    return found
 
 
 def _tokenizer_facts(path: str) -> tuple[tuple[int, ...], int | None]:
@@ -349,14 +404,13 @@ def load_weights(path: str | os.PathLike, options: ServeOptions | None = None):
 
 
 def _load_weights(path: str, manifest: ServingManifest, options: ServeOptions):
-    if manifest.weights == "compressed":
-        from inference.quantized import load_quantized
-
-        try:
-            return load_quantized(path, options.device)
-        except ValueError as err:
-            raise ServingError(f"{os.path.join(path, SERVING_FILE)}: weights compressed: {err}") from None
-    return _load_dense(path, manifest, options)
+    kind = _weight_format(path, manifest)
+    if kind is None:
+        return _load_dense(path, manifest, options)
+    try:
+        return kind.load(path, options.device)
+    except ValueError as err:
+        raise ServingError(f"{os.path.join(path, SERVING_FILE)}: weights {kind.name}: {err}") from None
 
 
 def _load_for_artifacts(path: str, manifest: ServingManifest, options: ServeOptions) -> Server:
@@ -366,9 +420,9 @@ def _load_for_artifacts(path: str, manifest: ServingManifest, options: ServeOpti
     from models.loading import load_pretrained
     from models.model_dir import ModelDirError
 
-    if manifest.weights == "compressed":
-        raise ServingError(f"{os.path.join(path, SERVING_FILE)}: weights compressed: the artifact cache runs "
-                           "full-precision weights")
+    if _weight_format(path, manifest) is not None:
+        raise ServingError(f"{os.path.join(path, SERVING_FILE)}: weights {manifest.weights}: the artifact cache "
+                           "runs full-precision weights")
     base, adapter = path, options.adapter
     if adapter is None and manifest.base is not None:  # the dir is itself an adapter: serve it over its base
         base, adapter = manifest.base, path
@@ -445,13 +499,10 @@ def _check_request(path: str, manifest: ServingManifest, options: ServeOptions) 
     a skipper for another base, an external drafter with another tokenizer or low-bit weights. Returns
     the external drafter's manifest (None without one)."""
     where = os.path.join(path, SERVING_FILE)
-    if manifest.weights == "compressed" and options.adapter:
-        raise ServingError(f"{where}: weights compressed ({manifest.scheme}): a LoRA adapter "
-                           f"({options.adapter}) cannot be merged into low-bit weights")
-    if options.speculative and manifest.weights == "compressed" and not str(manifest.scheme).endswith("A16"):
-        raise ServingError(f"{where}: scheme {manifest.scheme} quantizes activations per token: speculative "
-                           "verification rounds them differently from one-token decoding, so speculative="
-                           f"{options.speculative} would not be exact (weight-only W4A16 / W8A16 serve speculatively)")
+    kind = _weight_format(path, manifest)
+    reason = kind.refuse(manifest, options) if kind is not None else None
+    if reason is not None:
+        raise ServingError(f"{where}: {reason}")
     found = _skipper_dir(path, manifest, options)
     if found is not None:
         from transformers import AutoConfig
@@ -474,8 +525,8 @@ def _check_request(path: str, manifest: ServingManifest, options: ServeOptions) 
         if mine is not None and theirs is not None and mine != theirs:
             raise ServingError(f"{where}: field {name} is {_show(mine)}, the target's is {_show(theirs)}: "
                                "a drafter must share the target's tokenizer")
-    if drafter.weights == "compressed":
-        raise ServingError(f"{where}: weights compressed: an external drafter runs full-precision weights")
+    if _weight_format(options.drafter, drafter) is not None:
+        raise ServingError(f"{where}: weights {drafter.weights}: an external drafter runs full-precision weights")
     return drafter
 
 
