@@ -320,3 +320,21 @@ def test_the_resolved_lr_reaches_the_optimizer_and_is_printed(hf_dir, tmp_path, 
     session = build_session(cfg, World())
     assert [g["initial_lr"] for g in session.backend.optimizer.param_groups] == [1e-5]  # the schedule's peak
     assert "trainer.lr: 1e-05 (unset: the default for a pretrained model, full fine-tuning)" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # one fresh interpreter: ~5 s
+def test_backend_deepspeed_without_deepspeed_installed_is_one_config_line(tmp_path, subprocess_env):
+    """DeepSpeed is a test and gpu extra, not a dependency: asking for it where it is not installed is a config
+    error (exit 2) naming how to install it, before anything is written. The test hides the installed one."""
+    runner = ("import runpy, sys\n"
+              "sys.modules['deepspeed'] = None  # importlib.util.find_spec('deepspeed') is None: not installed\n"
+              "sys.argv = sys.argv[1:]\n"
+              "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", runner, str(ROOT / "train.py"), "+algo=sft", "backend=deepspeed",
+                           "backend.zero_stage=2", f"output_dir={out}"], capture_output=True, text=True,
+                          env=subprocess_env, cwd=tmp_path, timeout=120)
+    lines = [l for l in proc.stderr.strip().splitlines() if l.strip() and "WARNING" not in l]
+    assert proc.returncode == 2 and lines == ["config error: backend=deepspeed: DeepSpeed is not installed (pip "
+                                              "install deepspeed, or the project's gpu extra: pip install -e '.[gpu]')"]
+    assert not out.exists()

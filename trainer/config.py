@@ -9,6 +9,7 @@ is imported or anything is written, so a typo costs seconds, not a job slot.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -424,6 +425,9 @@ def validate(cfg: TrainConfig, training: bool = True) -> None:
                           "(use model.dtype=bfloat16, or backend=ddp)")
     if cfg.backend.name == "deepspeed" and cfg.backend.zero_stage not in (1, 2, 3):
         raise ConfigError(f"backend.zero_stage={cfg.backend.zero_stage} must be 1, 2 or 3 for deepspeed")
+    if cfg.backend.name == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("backend=deepspeed: DeepSpeed is not installed (pip install deepspeed, or the project's "
+                          "gpu extra: pip install -e '.[gpu]')")
     if t.resume not in ("auto", "never") and not os.path.isdir(os.path.expanduser(t.resume)):
         raise ConfigError(f"trainer.resume={t.resume}: no such checkpoint directory")
     _validate_model_path(cfg.model)
