@@ -310,7 +310,7 @@ def paired(a: list[list[bool]], b: list[list[bool]], draws: int = 10000) -> tupl
 
 
 def render(results_dir: str) -> str:
-    from benchmarks.results_io import provenance_line, write_files
+    from benchmarks.results_io import runs_by_commit, write_files
 
     results = load(results_dir)
     if not results:
@@ -368,8 +368,8 @@ def render(results_dir: str) -> str:
             lines.append(f"| {a} − {b} | {len(seeds)} | {d:+.3f} | [{lo:+.3f}, {hi:+.3f}] |")
     lines += ["", "Commands (each row's best rate, seed 0): " + "; ".join(
                   f"`{r['command']}`" for row in rows for r in results
-                  if r["row"] == row and r["seed"] == 0 and r["lr"] == best_lr(results, row)),
-              "", provenance_line(results[-1].get("meta"))]
+                  if r["row"] == row and r["seed"] == 0 and r["lr"] == best_lr(results, row)), ""]
+    lines += runs_by_commit(results, lambda r: f"{r['row']} lr {r['lr']:g} s{r['seed']}")
     text = "\n".join(lines) + "\n"
     write_files(os.path.dirname(results_dir.rstrip("/")), {os.path.basename(results_dir.rstrip("/")) + ".md": text})
     return text

@@ -69,6 +69,18 @@ def provenance_line(meta: Optional[dict]) -> str:
             f"{meta['torch']}{at}: `{meta['command']}`*")
 
 
+def runs_by_commit(results: list[dict], name: Callable[[dict], str]) -> list[str]:
+    """Markdown lines naming, for a table built from many result files, the commit and date each run was
+    measured at (its own `meta`, never the rendering's): one bullet per commit, its runs by `name`."""
+    groups: dict[tuple, list[str]] = {}
+    for r in results:
+        meta = r.get("meta") or {}
+        groups.setdefault((str(meta.get("commit")), str(meta.get("date"))), []).append(name(r))
+    lines = ["Each run at its own commit (its result file's `meta`):", ""]
+    lines += [f"- `{commit}` ({date}): {', '.join(sorted(names))}" for (commit, date), names in sorted(groups.items())]
+    return lines
+
+
 def provenance_lines(meta: Optional[dict]) -> list[str]:
     """The provenance line and a blank line, for a rendered file's head; nothing when the JSON has none."""
     line = provenance_line(meta)

@@ -44,9 +44,13 @@ def test_the_tables_are_rendered_from_the_result_files(tmp_path):
     files = [result("distill-t300", 1e-4, 0, [1, 1, 1, 0]), result("distill-t300", 3e-4, 0, [1, 0, 0, 0]),
              result("distill-t300", 1e-4, 1, [1, 1, 0, 0]), result("sft", 1e-4, 0, [1, 0, 1, 0]),
              result("sft", 1e-4, 1, [0, 0, 1, 0])]
-    for r in files:
+    for i, r in enumerate(files):  # runs measured at two commits on two days
+        r["meta"] = {"commit": "aaa111" if i < 3 else "bbb222", "date": "2026-12-0" + ("1" if i < 3 else "2")}
         (results / f"{r['row']}-lr{r['lr']:g}-s{r['seed']}.json").write_text(json.dumps(r))
     text = bench.render(str(results))
+    # each run keeps its own provenance: the table names both commits and which runs each measured
+    assert "- `aaa111` (2026-12-01): distill-t300 lr 0.0001 s0, distill-t300 lr 0.0001 s1, distill-t300 lr 0.0003 s0" in text
+    assert "- `bbb222` (2026-12-02): sft lr 0.0001 s0, sft lr 0.0001 s1" in text
     assert (tmp_path / "distill.md").read_text() == text
     assert "| distill-t300 | 0.750 | 0.250 | 0.0001 |" in text  # the sweep: lr 1e-4 and 3e-4, best 1e-4
     assert "| distill-t300 | 0.0001 | 2 | 0.625 ± 0.177 | 0.750, 0.500 |" in text  # mean and sample std of seeds
