@@ -18,17 +18,44 @@ def write_files(out_dir: str | os.PathLike, files: dict[str, str]) -> None:
         os.replace(tmp, path)
 
 
-def remembered(path: Optional[str], run: Callable[[], Any]) -> Any:
+def remembered(path: Optional[str], run: Callable[[], Any], runs: Optional[dict] = None) -> Any:
     """The result of `run()` (JSON-able), read from `path` when an earlier run finished it, else
     computed and written there: one file per finished run, so an interrupted benchmark goes on where it
-    stopped. path None: computed, kept nowhere."""
+    stopped. path None: computed, kept nowhere. A computed result's provenance (date, command, commit) is
+    kept beside it (`PATH.meta`), and `runs`, when given, gets the run's own provenance under its name --
+    a reused run's, never today's (None: kept before provenance was)."""
+    meta_path = path + ".meta" if path else None
     if path and os.path.exists(path):
         with open(path) as fh:
-            return json.load(fh)
-    result = run()
-    if path:
-        write_files(os.path.dirname(path), {os.path.basename(path): json.dumps(result)})
+            result = json.load(fh)
+        meta = None
+        if os.path.exists(meta_path):
+            with open(meta_path) as fh:
+                meta = json.load(fh)
+    else:
+        result = run()
+        meta = provenance()
+        if path:
+            write_files(os.path.dirname(path), {os.path.basename(path): json.dumps(result),
+                                                os.path.basename(meta_path): json.dumps(meta)})
+    if runs is not None and path:
+        runs[os.path.basename(path).removesuffix(".json")] = meta
     return result
+
+
+def kept_runs_lines(runs: dict) -> list[str]:
+    """Markdown lines naming the commit and date of each run a report reused or computed (`remembered`'s
+    `runs`): one bullet per commit."""
+    if not runs:
+        return []
+    groups: dict[tuple, list[str]] = {}
+    for name, meta in runs.items():
+        meta = meta or {}
+        key = (str(meta.get("commit", "unknown (kept before per-run provenance)")), str(meta.get("date", "?")))
+        groups.setdefault(key, []).append(name)
+    lines = ["Each run at its own commit (kept runs are reused, not re-measured):", ""]
+    lines += [f"- `{commit}` ({date}): {', '.join(sorted(names))}" for (commit, date), names in sorted(groups.items())]
+    return lines + [""]
 
 
 def provenance(script: Optional[str] = None, argv: Optional[list] = None) -> dict:

@@ -38,3 +38,6 @@ def test_runs_are_kept_and_a_rerun_skips_them(tmp_path, capsys, monkeypatch):
     assert qad.main([*ARGS, "--results", str(results)]) == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert again["accuracy"] == first["accuracy"] and again["speed"] == first["speed"]
+    # every reused run keeps the provenance it was measured with (command, date, commit), not the rerun's
+    assert again["runs"] == first["runs"] and set(first["runs"]) == {n.removesuffix(".json") for n in names} | {"W8A8"}
+    assert all(meta["command"] for meta in first["runs"].values())

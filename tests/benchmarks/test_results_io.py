@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from benchmarks.results_io import provenance, provenance_line, remembered, write_files
+from benchmarks.results_io import kept_runs_lines, provenance, provenance_line, remembered, write_files
 
 
 def test_write_files_leaves_whole_files_and_no_temporaries(tmp_path):
@@ -26,10 +26,17 @@ def test_remembered_runs_once_then_reads_the_file(tmp_path):
         return {"accuracy": 0.5, "n": len(calls)}
 
     path = str(tmp_path / "runs" / "seed0.json")
-    assert remembered(path, run) == {"accuracy": 0.5, "n": 1}
+    first: dict = {}
+    assert remembered(path, run, first) == {"accuracy": 0.5, "n": 1}
     assert json.loads(open(path).read()) == {"accuracy": 0.5, "n": 1}
-    assert remembered(path, run) == {"accuracy": 0.5, "n": 1}  # read back, not recomputed
+    assert first["seed0"]["command"] and "commit" in first["seed0"]
+    stamped = dict(first["seed0"], commit="abc1234", date="2026-01-02")  # as if measured at another commit
+    (tmp_path / "runs" / "seed0.json.meta").write_text(json.dumps(stamped))
+    again: dict = {}
+    assert remembered(path, run, again) == {"accuracy": 0.5, "n": 1}  # read back, not recomputed
     assert len(calls) == 1
+    assert again == {"seed0": stamped}  # the reused run keeps its own provenance, not today's
+    assert "- `abc1234` (2026-01-02): seed0" in kept_runs_lines(again)
     assert remembered(None, run) == {"accuracy": 0.5, "n": 2}  # None: computed each time, kept nowhere
     assert len(calls) == 2
 
