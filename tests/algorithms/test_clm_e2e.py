@@ -1,6 +1,7 @@
 """CLM as a user runs it: `torchrun --nproc_per_node=2 train.py +algo=clm` on CPU (random tiny model:
-the mechanics, not the learning), and resume mid-run equal to an uninterrupted run (from a model SFT'd on
-an easy task file, so the steps have non-zero advantages and update the weights)."""
+the mechanics, not the learning), and resume mid-run equal to an uninterrupted run (2 ranks, from a model
+SFT'd on an easy task file, so the steps have non-zero advantages, update the weights, and the trainer's
+log-probs of the sampled tokens are checked against the sampler's)."""
 from __future__ import annotations
 
 import subprocess
@@ -76,6 +77,12 @@ def test_resume_mid_run_equals_an_uninterrupted_run(tmp_path, subprocess_env, be
                               "trainer.save_every=2", "trainer.batch_size=2", "trainer.micro_batch_size=8",
                               "algo.num_generations=4", "trainer.lr=1e-4", f"algo.beta={beta}", algo="clm")
         assert all(("clm/kl" in x) == (beta > 0) for x in rows if x["split"] == "train")
+        # 2 ranks that really train: steps whose optimizer step ran, and on them the trainer's log-probs of
+        # the sampled tokens equal the sampler's (up to relocated K/V, which suffix reuse may add)
+        steps = [x for x in rows if x["split"] == "train"]
+        trained = [x for x in steps if "rollout/logprob_gap" in x]
+        assert trained and steps[-1].get("train/skipped_steps", 0) < len(steps)  # not every step skipped
+        assert all(x["rollout/logprob_gap"] < 1e-3 or x.get("clm/relocated_tokens", 0) > 0 for x in trained), trained
         return {x["step"]: (x["loss"], x["clm/advantage_abs"], x["grad_norm"], x["clm/compute"], x["clm/calls"],
                             x["rollout/length"]) for x in rows if x["split"] == "train"}
 
