@@ -102,7 +102,9 @@ def runs_by_commit(results: list[dict], name: Callable[[dict], str]) -> list[str
     groups: dict[tuple, list[str]] = {}
     for r in results:
         meta = r.get("meta") or {}
-        groups.setdefault((str(meta.get("commit")), str(meta.get("date"))), []).append(name(r))
+        commit = meta.get("commit") or "unknown (written before runs kept their provenance)"
+        key = (str(commit), str(meta.get("date", "?")))
+        groups.setdefault(key, []).append(name(r))
     lines = ["Each run at its own commit (its result file's `meta`):", ""]
     lines += [f"- `{commit}` ({date}): {', '.join(sorted(names))}" for (commit, date), names in sorted(groups.items())]
     return lines

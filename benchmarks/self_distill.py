@@ -193,7 +193,9 @@ def run_one(job) -> dict:
           f"({wall:.0f}s)", flush=True)
     if record:
         result["overrides"] = portable(argv)
-        from benchmarks.results_io import write_files
+        from benchmarks.results_io import provenance, write_files
+
+        result["meta"] = provenance()  # this run's own date, command and commit, kept with it
 
         write_files(os.path.dirname(record), {os.path.basename(record): json.dumps(result, indent=1)})  # once complete
         with RENDER_LOCK:  # parallel workers finish together: one rewrite of the table at a time
@@ -271,9 +273,10 @@ def render(results_dir: str, title: str = "Long self-distillation runs (generate
             for step, (mean, std) in student.items():
                 t = f"{teacher[step][0]:.3f} ± {teacher[step][1]:.3f}" if step in teacher else ""
                 lines.append(f"| {step} | {mean:.3f} ± {std:.3f} | {t} |")
-    text = "\n".join(lines) + "\n"
-    from benchmarks.results_io import write_files
+    from benchmarks.results_io import runs_by_commit, write_files
 
+    lines += ["", *runs_by_commit(runs, lambda r: f"{r['setting']}/{r['method']} s{r['seed']}")]
+    text = "\n".join(lines) + "\n"
     stem = results_dir.rstrip("/")
     write_files(os.path.dirname(stem) or ".", {os.path.basename(stem) + ".md": text})
     if table and any(len(row["curves"].get("accuracy", {})) > 1 for row in table):

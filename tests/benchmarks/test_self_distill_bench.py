@@ -92,9 +92,12 @@ def test_long_table_is_rendered_from_the_result_files(tmp_path):
 
     runs = [run("opsd", 0, [[0, 0.4], [25, 0.6], [50, 0.5]], [[0, 0.9], [25, 0.9], [50, 0.8]]),
             run("opsd", 1, [[0, 0.4], [25, 0.5], [50, 0.6]], [[0, 0.9], [25, 0.9], [50, 0.9]])]
+    runs[1]["meta"] = {"commit": "abc1234", "date": "2026-12-01"}  # seed 0 was written before runs kept theirs
     for r in runs:
         (results / f"arith-{r['method']}-s{r['seed']}.json").write_text(json.dumps(r))
     text = bench.render(str(results))
+    assert "- `abc1234` (2026-12-01): arith/opsd s1" in text  # each run's own commit, not the rendering's
+    assert "- `unknown (written before runs kept their provenance)` (?): arith/opsd s0" in text
     # end 0.5 / 0.6: mean 0.55, std 0.0707; seed 0 ended 0.1 below its best (0.6 at step 25)
     assert "| arith | opsd | 2 | 0.400 | 0.550 ± 0.071 | 0.500 / 0.600 | 0.100 | 0.900 → 0.850 | 100 |" in text
     assert "| 25 | 0.550 ± 0.071 | 0.900 ± 0.000 |" in text
