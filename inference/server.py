@@ -548,25 +548,30 @@ def build_app(backend: Backend):
                                   push=lambda i, t: loop.call_soon_threadsafe(queue.put_nowait, (i, t))))
         done = asyncio.wrap_future(job.future)
         texts: dict[int, TextStream] = {}
+
+        def text(index: int) -> TextStream:
+            if index not in texts:
+                texts[index] = TextStream(tok, s.stop)
+            return texts[index]
+
         try:
             while True:
                 get = asyncio.ensure_future(queue.get())
                 await asyncio.wait({get, done}, return_when=asyncio.FIRST_COMPLETED)
-                if not get.done():
+                if not get.done():  # decoding ended: what is still queued is drained below
                     get.cancel()
                     break
                 index, tokens = get.result()
-                piece = texts.setdefault(index, TextStream(tok, s.stop)).add(tokens)
+                piece = text(index).add(tokens)
                 if piece:
                     yield index, piece, None
             while not queue.empty():
                 index, tokens = queue.get_nowait()
-                piece = texts.setdefault(index, TextStream(tok, s.stop)).add(tokens)
+                piece = text(index).add(tokens)
                 if piece:
                     yield index, piece, None
             for c in done.result():
-                yield c["index"], texts.setdefault(c["index"], TextStream(tok, s.stop)).rest(c["text"]), \
-                    c["finish_reason"]
+                yield c["index"], text(c["index"]).rest(c["text"]), c["finish_reason"]
         finally:
             if not job.future.done():
                 job.cancelled = True
