@@ -55,6 +55,12 @@ def overrides(args, setting: str, algo: str, lr: float | None, seed: int, out: s
             *args.extra]
 
 
+def default_overrides(setting: str, algo: str, seed: int, out: str, teacher: str | None = None) -> list[str]:
+    """README command 1's run: every key at its default (rate, steps, eval cadence) but the seed."""
+    return [f"+algo={algo}", *SETTINGS[setting], f"seed={seed}", *([f"algo.teacher_path={teacher}"] if teacher else []),
+            f"output_dir={out}", "trainer.resume=never", "logging.wandb=false", "logging.progress=false"]
+
+
 def portable(argv: list[str]) -> list[str]:
     """The overrides that define the run (no output or teacher directory of this machine)."""
     return [("algo.teacher_path=<teacher>" if a.startswith("algo.teacher_path=") else a)
@@ -71,46 +77,51 @@ def teacher(args, setting: str) -> dict:
             "command": f"{LAUNCH} {' '.join(portable(argv))}"}
 
 
-def record_path(results: str, setting: str, algo: str, lr: float, seed: int) -> str:
-    return os.path.join(results, f"{setting}-{algo}-lr{lr:g}-s{seed}.json")
+def record_path(results: str, setting: str, algo: str, lr: float | None, seed: int) -> str:
+    """The run's result file; `lr` None: the run at every default (the `defaults` phase)."""
+    return os.path.join(results, f"{setting}-{algo}-{'default' if lr is None else f'lr{lr:g}'}-s{seed}.json")
 
 
-def run(args, setting: str, algo: str, lr: float, seed: int, teachers: dict) -> dict:
-    """One run (skipped when its result file holds the same overrides); its record."""
+def run(args, setting: str, algo: str, lr: float | None, seed: int, teachers: dict) -> dict:
+    """One run (skipped when its result file holds the same overrides); its record. `lr` None: README
+    command 1's run, every key at its default (rate and step count included)."""
     from benchmarks.results_io import provenance, write_files
 
-    out = os.path.join(args.keep, f"{setting}-{algo}-lr{lr:g}-s{seed}-{args.steps}")
+    make = ((lambda o, t: overrides(args, setting, algo, lr, seed, o, t)) if lr is not None else
+            (lambda o, t: default_overrides(setting, algo, seed, o, t)))
+    name = f"{setting}-{algo}-lr{lr:g}-s{seed}-{args.steps}" if lr is not None else f"{setting}-{algo}-default-s{seed}"
+    out = os.path.join(args.keep, name)
     path = record_path(args.results, setting, algo, lr, seed)
+    label = f"{setting} {algo} lr {'default' if lr is None else f'{lr:g}'} seed {seed}"
     if os.path.exists(path):
         earlier = json.load(open(path))
-        wanted = overrides(args, setting, algo, lr, seed, out, "<teacher>" if algo == "distill" else None)
-        if earlier.get("overrides") == portable(wanted):
-            print(f"  {setting} {algo} lr {lr:g} seed {seed}: done earlier ({path})", flush=True)
+        if earlier.get("overrides") == portable(make(out, "<teacher>" if algo == "distill" else None)):
+            print(f"  {label}: done earlier ({path})", flush=True)
             return earlier
     t = None
     if algo == "distill":
         if setting not in teachers:
             teachers[setting] = teacher(args, setting)
         t = teachers[setting]
-    argv = overrides(args, setting, algo, lr, seed, out, t["path"] if t else None)
+    argv = make(out, t["path"] if t else None)
     wall, lines = train(argv, out, 2)
     evals = [x for x in lines if x["split"] == "eval"]
-    result = {"setting": setting, "algo": algo, "lr": lr, "seed": seed, "steps": args.steps, "wall_s": wall,
+    result = {"setting": setting, "algo": algo, "lr": lr, "seed": seed, "steps": evals[-1]["step"], "wall_s": wall,
               "before": evals[0]["accuracy"], "final": evals[-1]["accuracy"], "n": evals[-1]["n"],
               "outcomes": evals[-1]["outcomes"], "curve": [(x["step"], x["accuracy"]) for x in evals],
               "teacher_curve": [(x["step"], x["teacher_accuracy"]) for x in evals if "teacher_accuracy" in x],
               "teacher": ({"accuracy": t["accuracy"], "command": t["command"]} if t else None),
               "overrides": portable(argv), "command": f"{LAUNCH} {' '.join(portable(argv))}", "meta": provenance()}
     write_files(args.results, {os.path.basename(path): json.dumps(result, indent=1)})  # once complete
-    print(f"  {setting} {algo} lr {lr:g} seed {seed}: {result['before']:.3f} -> {result['final']:.3f} "
-          f"({wall:.0f}s)", flush=True)
+    print(f"  {label}: {result['before']:.3f} -> {result['final']:.3f} ({wall:.0f}s)", flush=True)
     render(args.results)
     return result
 
 
 def best_lrs(results: list[dict], setting: str, algo: str, k: int = 2) -> list[float]:
     """The `k` swept (seed 0) rates of (setting, algo) with the highest final accuracy; ties to the lower rate."""
-    swept = [r for r in results if r["setting"] == setting and r["algo"] == algo and r["seed"] == 0]
+    swept = [r for r in results if r["setting"] == setting and r["algo"] == algo and r["seed"] == 0
+             and r["lr"] is not None]
     return [r["lr"] for r in sorted(swept, key=lambda r: (-r["final"], r["lr"]))[:k]]
 
 
@@ -129,9 +140,11 @@ def render(results_dir: str) -> str:
     """docs/results/lr_sweep.md (and the curves PNG) from every result file in `results_dir`."""
     from benchmarks.results_io import write_files
 
-    results = load(results_dir)
-    if not results:
+    everything = load(results_dir)
+    if not everything:
         return ""
+    results = [r for r in everything if r["lr"] is not None]  # the sweep's; lr None: a run at the defaults
+    defaults = [r for r in everything if r["lr"] is None]
     stem = os.path.basename(results_dir.rstrip("/"))
     parent = os.path.dirname(results_dir.rstrip("/"))
     lines = ["# Learning-rate sweep of every algorithm (generated by benchmarks/lr_sweep.py)", "",
@@ -196,7 +209,26 @@ def render(results_dir: str) -> str:
                 lines.append(f"| {algo} | {rs[0]['lr']:g} / {best['sft'][0]['lr']:g} | {len(seeds)} | {d:+.3f} | "
                              f"[{lo:+.3f}, {hi:+.3f}] |")
         lines.append("")
-    if plot(results, os.path.join(parent, f"{stem}_curves.png")):
+    if defaults:
+        lines += ["## At the defaults", "", "README command 1's run (`" + LAUNCH + " +algo=ALGO [data=multipath] "
+                  "seed=S`): every key at its default, the learning rate and step count included.", "",
+                  "| setting | algorithm | steps | seeds | final, mean [min, max] | per seed | curve (mean) | "
+                  "teacher prompt at the end | commits |", "|---|---|---|---|---|---|---|---|---|"]
+        for key in sorted({(r["setting"], r["algo"]) for r in defaults}):
+            rs = sorted([r for r in defaults if (r["setting"], r["algo"]) == key], key=lambda r: r["seed"])
+            finals = [r["final"] for r in rs]
+            curve: dict[int, list[float]] = {}
+            for r in rs:
+                for s, a in r["curve"]:
+                    curve.setdefault(s, []).append(a)
+            teach = [r["teacher_curve"][-1][1] for r in rs if r["teacher_curve"]]
+            lines.append(f"| {key[0]} | {key[1]} | {rs[0]['steps']} | {len(rs)} | {statistics.fmean(finals):.3f} "
+                         f"[{min(finals):.3f}, {max(finals):.3f}] | {', '.join(f'{f:.3f}' for f in finals)} | "
+                         f"{', '.join(f'{s}: {statistics.fmean(v):.3f}' for s, v in sorted(curve.items()))} | "
+                         f"{f'{statistics.fmean(teach):.3f}' if teach else ''} | "
+                         f"{', '.join(sorted({str((r.get('meta') or {}).get('commit')) for r in rs}))} |")
+        lines.append("")
+    if results and plot(results, os.path.join(parent, f"{stem}_curves.png")):
         lines += [f"![held-out accuracy per step, one panel per setting and algorithm]({stem}_curves.png)", ""]
     lines.append("Commands: every result file's `command`; its `meta` gives the date, machine and commit it ran at.")
     text = "\n".join(lines) + "\n"
@@ -249,7 +281,9 @@ def main() -> None:
     ap.add_argument("--algos", default=ALGOS)
     ap.add_argument("--lrs", default=LRS, help="the sweep's rates, in the order they run")
     ap.add_argument("--seeds", default="1,2", help="the seeds phase's seeds (seed 0 is the sweep's)")
-    ap.add_argument("--phases", default="sweep,seeds")
+    ap.add_argument("--phases", default="sweep,seeds", help="sweep, seeds, defaults (every key at its default, "
+                    "with --default-seeds: README command 1's run)")
+    ap.add_argument("--default-seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--teacher-steps", type=int, default=300, help="SFT steps of distill's teacher")
@@ -280,6 +314,11 @@ def main() -> None:
                 for algo in algos:
                     for lr in best_lrs(load(args.results), setting, algo):
                         run(args, setting, algo, lr, seed, teachers)
+    if "defaults" in args.phases:
+        for seed in [int(s) for s in args.default_seeds.split(",")]:
+            for setting in settings:
+                for algo in algos:
+                    run(args, setting, algo, None, seed, teachers)
     print(render(args.results))
 
 

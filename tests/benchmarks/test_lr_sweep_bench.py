@@ -71,3 +71,30 @@ def test_a_finished_run_is_skipped_only_for_the_same_overrides(tmp_path, monkeyp
     with pytest.raises(RuntimeError, match="ran"):
         bench.run(args, "multipath", "distill", 3e-4, 0, {})
     assert launched
+
+
+def test_a_run_at_the_defaults_sets_no_rate_or_steps_and_has_its_own_table(tmp_path, monkeypatch):
+    args = SimpleNamespace(keep=str(tmp_path / "keep"), results=str(tmp_path / "lr_sweep"), steps=300, eval_every=50,
+                           teacher_steps=300, extra=[])
+    argv = bench.default_overrides("arith", "mass", 2, "OUT")
+    assert argv[:2] == ["+algo=mass", "seed=2"]
+    assert not [a for a in argv if a.startswith(("trainer.lr=", "trainer.max_steps=", "trainer.eval_every="))]
+    assert bench.record_path(args.results, "arith", "mass", None, 2).endswith("arith-mass-default-s2.json")
+    lines = [{"split": "eval", "step": 0, "accuracy": 0.25, "n": 4, "outcomes": "1000", "teacher_accuracy": 0.9},
+             {"split": "eval", "step": 200, "accuracy": 0.75, "n": 4, "outcomes": "1110", "teacher_accuracy": 0.8}]
+    launched = []
+    monkeypatch.setattr(bench, "train", lambda argv, out, ranks: launched.append(argv) or (12.0, lines))
+    (tmp_path / "lr_sweep").mkdir()
+    sweep = result("mass", 3e-4, 0, "1100")
+    (tmp_path / "lr_sweep" / "arith-mass-lr0.0003-s0.json").write_text(json.dumps(sweep))
+    first = bench.run(args, "arith", "mass", None, 2, {})
+    assert launched == [bench.default_overrides("arith", "mass", 2, str(tmp_path / "keep" / "arith-mass-default-s2"))]
+    assert (first["lr"], first["steps"], first["final"]) == (None, 200, 0.75)
+    assert bench.run(args, "arith", "mass", None, 2, {})["final"] == 0.75 and len(launched) == 1  # reused
+    lines[-1] = dict(lines[-1], accuracy=0.5, outcomes="1100")
+    bench.run(args, "arith", "mass", None, 3, {})
+    text = (tmp_path / "lr_sweep.md").read_text()
+    assert "| mass | 0.0003 | 1 | 0.500 ± 0.000 |" in text  # the sweep table still holds only swept rates
+    # two seeds at the defaults: 0.75 and 0.5 -> mean 0.625 [0.5, 0.75]; teacher prompt 0.8 both
+    assert "| arith | mass | 200 | 2 | 0.625 [0.500, 0.750] | 0.750, 0.500 | 0: 0.250, 200: 0.625 | 0.800 |" in text
+    assert bench.best_lrs(bench.load(args.results), "arith", "mass") == [3e-4]  # a default run is no swept rate
