@@ -33,7 +33,9 @@ DIVERGENCES = ("full", "sampled")
 class SelfDistillConfig(LoRAOptions, LossChunking, TeacherBatching):
     """The keys OPSD, MASS and TESD share (each config adds `name` and its own keys)."""
 
-    traits: ClassVar[Traits] = Traits(needs_reference=True, tiny_lr=3e-5, lora=True)  # the teacher prompt carries the reference
+    # tiny_lr: the learning-rate sweep's best on the embedded default without its early dip (docs/self_distill.md,
+    # section 4: 300 steps, OPSD 3e-4 0.755 / 1e-3 0.800 but 0.200 at step 50; MASS 3e-4 0.790 / 1e-3 0.760)
+    traits: ClassVar[Traits] = Traits(needs_reference=True, tiny_lr=3e-4, lora=True)  # the teacher prompt carries the reference
 
     temperature: float = 1.1  # rollout sampling temperature; the divergence uses logits / temperature too
     top_p: float = 0.95

@@ -68,7 +68,7 @@ def test_variants_are_methods_of_their_own():
     argv = bench.overrides("mass-m67", "multipath", 0, args, "OUT")
     assert argv[0] == "+algo=mass" and argv[-3:-1] == ["algo.mask_ratio=0.67", "algo.num_views=8"]
     assert "data=multipath" in argv and "trainer.eval_every=25" in argv
-    assert argv[-1] == "trainer.lr=3e-05"  # the rate the run resolves to, written out: part of the run's identity
+    assert argv[-1] == "trainer.lr=0.0003"  # the rate the run resolves to, written out: part of the run's identity
     assert bench.overrides("mass", "multipath", 0, args, "OUT") == argv[:-3] + argv[-1:]  # the plain method
     args.lr = 1e-4
     assert bench.overrides("mass", "multipath", 0, args, "OUT").count("trainer.lr=0.0001") == 1  # a set rate stays
