@@ -152,6 +152,10 @@ def render(results_dir: str) -> str:
              "trainer.eval_every=50` (every other key at its default), 2 ranks on 2 CPU cores; held-out greedy "
              "accuracy of the trainer's own eval. In brackets: the teacher prompt (question + reference) of the "
              "self-distillation algorithms at the end.", ""]
+    extra = sorted({" ".join(r["overrides"][r["overrides"].index("logging.progress=false") + 1:]) for r in everything
+                    if "logging.progress=false" in r["overrides"]} - {""})
+    if extra:  # --extra: overrides beyond the rate, steps and seed, part of each run's identity
+        lines += ["Every run here also sets " + "; ".join(f"`{x}`" for x in extra) + ".", ""]
     for setting in [s for s in SETTINGS if any(r["setting"] == s for r in results)]:
         mine = [r for r in results if r["setting"] == setting]
         algos = [a for a in ALGOS.split(",") if any(r["algo"] == a for r in mine)]

@@ -98,3 +98,12 @@ def test_a_run_at_the_defaults_sets_no_rate_or_steps_and_has_its_own_table(tmp_p
     # two seeds at the defaults: 0.75 and 0.5 -> mean 0.625 [0.5, 0.75]; teacher prompt 0.8 both
     assert "| arith | mass | 200 | 2 | 0.625 [0.500, 0.750] | 0.750, 0.500 | 0: 0.250, 200: 0.625 | 0.800 |" in text
     assert bench.best_lrs(bench.load(args.results), "arith", "mass") == [3e-4]  # a default run is no swept rate
+    assert "also sets" not in text  # no run carries --extra overrides
+
+
+def test_the_extra_overrides_of_a_results_directory_are_named(tmp_path):
+    args = SimpleNamespace(steps=300, eval_every=50, extra=["trainer.warmup_steps=50"])
+    r = dict(result("opsd", 1e-3, 0, "1100"), overrides=bench.portable(bench.overrides(args, "arith", "opsd", 1e-3, 0, "O")))
+    (tmp_path / "warmup50").mkdir()
+    (tmp_path / "warmup50" / "arith-opsd-lr0.001-s0.json").write_text(json.dumps(r))
+    assert "Every run here also sets `trainer.warmup_steps=50`." in bench.render(str(tmp_path / "warmup50"))
