@@ -288,6 +288,8 @@ def main() -> None:
     ap.add_argument("--phases", default="sweep,seeds", help="sweep, seeds, defaults (every key at its default, "
                     "with --default-seeds: README command 1's run)")
     ap.add_argument("--default-seeds", default="0,1,2")
+    ap.add_argument("--seed-lrs", default="", help="the seeds phase runs these rates instead of each algorithm's "
+                    "two best swept ones")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--teacher-steps", type=int, default=300, help="SFT steps of distill's teacher")
@@ -316,7 +318,9 @@ def main() -> None:
         for seed in [int(s) for s in args.seeds.split(",")]:
             for setting in settings:
                 for algo in algos:
-                    for lr in best_lrs(load(args.results), setting, algo):
+                    rates = ([float(x) for x in args.seed_lrs.split(",")] if args.seed_lrs else
+                             best_lrs(load(args.results), setting, algo))
+                    for lr in rates:
                         run(args, setting, algo, lr, seed, teachers)
     if "defaults" in args.phases:
         for seed in [int(s) for s in args.default_seeds.split(",")]:
