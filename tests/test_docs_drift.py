@@ -218,7 +218,7 @@ def test_the_architecture_summary_is_the_measured_support_matrix():
 # ----------------------------------------------------------------------------- tables drawn from results
 
 FIGURES_MARK = re.compile(r"^<!-- figures: (\S+(?: \S+)*) -->$", flags=re.M)
-NUMBER = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?(?:e[-+]?\d+)?)(%?)")
+NUMBER = re.compile(r"(?<![\w.\d])([-−]?)(\d+(?:\.\d+)?(?:e[-+]?\d+)?)(%?)")
 
 
 def result_numbers(obj) -> list[float]:
@@ -259,13 +259,13 @@ def unmatched_figures(rows: list[str], numbers: list[float]) -> list[str]:
     missing = []
     for row in rows:
         for cell in row.strip().strip("|").split("|")[1:]:
-            for digits, pct in NUMBER.findall(cell.replace("**", "")):
+            for sign, digits, pct in NUMBER.findall(cell.replace("**", "")):
                 mantissa, _, exponent = digits.partition("e")
                 shown = len(mantissa.split(".")[1]) if "." in mantissa else 0
-                value, tol = float(digits), 0.5 * 10 ** (int(exponent or 0) - shown) * (1 + 1e-9)
+                value, tol = float(digits) * (-1 if sign else 1), 0.5 * 10 ** (int(exponent or 0) - shown) * (1 + 1e-9)
                 targets = [value, value / 100] if pct else [value]
                 if not any(abs(x - t) <= tol * (0.01 if t != value else 1) for x in numbers for t in targets):
-                    missing.append(f"{digits}{pct} in {cell.strip()!r}")
+                    missing.append(f"{sign}{digits}{pct} in {cell.strip()!r}")
     return missing
 
 
@@ -295,3 +295,7 @@ def test_a_stale_figure_is_caught():
     assert unmatched_figures(["| pic | 3.8e-4 (0.999) |"], [0.000394, 0.9991]) == ["3.8e-4 in '3.8e-4 (0.999)'"]
     assert unmatched_figures(rows, [0.76, 1.74, 0.481]) == ["1.76 in '**1.76x**'"]
     assert unmatched_figures(rows, [0.76, 1.76, 0.47]) == ["48% in '48%'"]
+    # a sign is part of the figure: −0.010 is not 0.010 (an interval's lower end, a loss)
+    assert unmatched_figures(["| d | +0.035 [−0.010, +0.080] |"], [0.035, -0.01, 0.08]) == []
+    assert unmatched_figures(["| d | +0.035 [−0.010, +0.080] |"], [0.035, 0.01, 0.08]) == ["−0.010 in '+0.035 [−0.010, +0.080]'"]
+    assert unmatched_figures(["| lr | 1e-3 |"], [0.001]) == []
