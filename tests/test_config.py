@@ -259,7 +259,7 @@ def _lr(*args):
     return cfg.trainer.lr, cfg.defaulted
 
 
-@pytest.mark.parametrize("algo,expected", [("sft", 1e-3), ("opsd", 3e-5), ("grpo", 3e-5), ("skipper", 3e-3),
+@pytest.mark.parametrize("algo,expected", [("sft", 1e-3), ("opsd", 3e-4), ("mass", 3e-4), ("tesd", 3e-4), ("grpo", 3e-5), ("skipper", 3e-3),
                                            ("attuner", 5e-3)])
 def test_unset_lr_on_the_tiny_model_keeps_its_tuned_value(algo, expected):
     lr, defaulted = _lr(f"+algo={algo}")
@@ -282,7 +282,7 @@ def test_unset_lr_on_a_pretrained_model_is_safe(hf_dir, args, expected):
     assert defaulted["trainer.lr"].startswith("a pretrained model")
 
 
-@pytest.mark.parametrize("algo,expected", [("sft", 1e-3), ("opsd", 3e-5), ("grpo", 3e-5)])
+@pytest.mark.parametrize("algo,expected", [("sft", 1e-3), ("opsd", 3e-4), ("grpo", 3e-5)])
 def test_the_default_models_own_cache_entry_as_model_path_keeps_the_tiny_rates(hf_dir, tmp_path, algo, expected):
     """model.path naming a cache entry of the embedded default (warm_start.json marks one) is the same model
     as no model.path: the same default rates, not the pretrained 1e-5 (benchmarks pass the entry's path)."""
